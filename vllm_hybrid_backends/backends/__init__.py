@@ -1,0 +1,1 @@
+"""Device backends, registered as pluggy plugins (see vllm_hybrid_backends.plugins)."""

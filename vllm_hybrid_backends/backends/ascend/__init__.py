@@ -1,0 +1,1 @@
+"""Backend package: see backend.py."""

@@ -1,0 +1,100 @@
+"""Device detection, done once per process. Nothing else in the project touches
+``torch.cuda``, ``torch.version.hip`` or ``torch_npu`` directly."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from types import ModuleType
+
+from .types import DeviceKind
+
+
+@functools.cache
+def cuda_build() -> bool:
+    """torch was built with CUDA (not HIP)."""
+    import torch
+
+    return torch.version.cuda is not None and getattr(torch.version, "hip", None) is None
+
+
+@functools.cache
+def hip_build() -> bool:
+    """torch was built with ROCm/HIP."""
+    import torch
+
+    return getattr(torch.version, "hip", None) is not None
+
+
+@functools.cache
+def gpu_count() -> int:
+    """Visible CUDA or HIP devices (0 on a CPU build)."""
+    import torch
+
+    if not (cuda_build() or hip_build()):
+        return 0
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:  # a broken driver must not take the process down
+        return 0
+
+
+@functools.cache
+def torch_npu_installed() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+@functools.cache
+def import_torch_npu() -> tuple[ModuleType | None, str]:
+    """Import torch_npu lazily; return (module, "") or (None, why it failed)."""
+    if not torch_npu_installed():
+        return None, "torch_npu is not installed"
+    try:
+        return importlib.import_module("torch_npu"), ""
+    except Exception as exc:  # without CANN the import raises
+        return None, f"import torch_npu failed: {type(exc).__name__}: {exc}"
+
+
+@functools.cache
+def npu_count() -> int:
+    module, _ = import_torch_npu()
+    if module is None:
+        return 0
+    try:
+        import torch
+
+        return int(torch.npu.device_count())  # type: ignore[attr-defined]
+    except Exception:
+        return 0
+
+
+@functools.cache
+def triton_available() -> tuple[bool, str]:
+    """Triton importable with a GPU backend (what the CUDA and ROCm kernels need)."""
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed"
+    try:
+        importlib.import_module("triton")
+    except Exception as exc:
+        return False, f"import triton failed: {type(exc).__name__}: {exc}"
+    return True, ""
+
+
+@functools.cache
+def detect_device_kind() -> DeviceKind:
+    """The accelerator this process would run vLLM on: NPU, ROCm, CUDA, else CPU."""
+    if torch_npu_installed() and npu_count() > 0:
+        return DeviceKind.NPU
+    if hip_build() and gpu_count() > 0:
+        return DeviceKind.ROCM
+    if cuda_build() and gpu_count() > 0:
+        return DeviceKind.CUDA
+    return DeviceKind.CPU
+
+
+def reset_caches() -> None:
+    """Forget every detection result (tests that fake a device use this)."""
+    for fn in (cuda_build, hip_build, gpu_count, torch_npu_installed, import_torch_npu,
+               npu_count, triton_available, detect_device_kind):
+        fn.cache_clear()

@@ -1,0 +1,59 @@
+"""Patches over vLLM, one module per patched vLLM module (``patch_<vllm module path>.py``).
+
+Every patch module exposes ``TARGET_MODULE``, ``TARGET_SYMBOLS``, ``PROCESS`` (``worker`` or
+``engine``), ``missing() -> list[str]`` (capability check: what it needs and cannot find) and
+``apply()`` (idempotent). :func:`apply_all` checks every patch of a process first and applies
+none if any check fails: never a half-patched engine. ``docs/patches.md`` is generated from the
+module docstrings (``python -m vllm_hybrid_backends.patches``) and a test keeps it current.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ..logs import logger
+from ..trace import trace_event
+
+PATCH_MODULES = (
+    "vllm_hybrid_backends.patches.patch_vllm_platforms",
+    "vllm_hybrid_backends.patches.patch_vllm_v1_worker_mamba_utils",
+)
+
+
+def patch_modules(process: str | None = None) -> list[ModuleType]:
+    modules = [importlib.import_module(name) for name in PATCH_MODULES]
+    return [m for m in modules if process is None or m.PROCESS == process]
+
+
+def apply_all(process: str) -> bool:
+    """Apply every patch of ``process`` if all of them can apply; return whether they did."""
+    modules = patch_modules(process)
+    problems = [f"{m.__name__.rsplit('.', 1)[-1]}: {what}" for m in modules for what in m.missing()]
+    if problems:
+        logger.warning(
+            "hybrid_backends: this vLLM lacks what the %s patches need (%s); patching nothing",
+            process, "; ".join(problems),
+        )
+        trace_event("patches_skipped", process=process, problems=problems)
+        return False
+    for module in modules:
+        module.apply()
+    trace_event("patches_applied", process=process, patches=[m.__name__ for m in modules])
+    return True
+
+
+def render_index() -> str:
+    """Markdown index of every patch, generated from the modules' docstrings."""
+    lines = ["# Patches over vLLM", "",
+             "Generated from the patch modules' docstrings by "
+             "`python -m vllm_hybrid_backends.patches`; do not edit by hand.", ""]
+    for module in patch_modules():
+        short = module.__name__.rsplit(".", 1)[-1]
+        lines += [f"## `{short}`", "",
+                  f"- target: `{module.TARGET_MODULE}`: "
+                  + ", ".join(f"`{s}`" for s in module.TARGET_SYMBOLS),
+                  f"- runs in: {module.PROCESS} processes", "",
+                  (module.__doc__ or "").strip(), ""]
+    return "\n".join(lines)
+
