@@ -45,5 +45,5 @@ def is_supported(version: str | None) -> bool:
 
 def unsupported_reason(version: str | None) -> str:
     if version is None:
-        return "vLLM is not installed"
+        return f"vLLM is not installed (supported: {SUPPORTED_VLLM_TEXT})"
     return f"vLLM {version} is outside the supported range {SUPPORTED_VLLM_TEXT} ({SUPPORTED_VLLM})"

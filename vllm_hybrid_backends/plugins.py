@@ -75,7 +75,7 @@ def register_backend(plugin: object, pm: pluggy.PluginManager | None = None) -> 
     if pm.get_plugin(name) is not None:
         raise ValueError(f"a backend named {name!r} is already registered")
     pm.register(plugin, name=name)
-    _forget_selection()
+    forget_selection()
     return name
 
 
@@ -83,10 +83,11 @@ def unregister_backend(name: str) -> None:
     pm = get_plugin_manager()
     if pm.get_plugin(name) is not None:
         pm.unregister(name=name)
-    _forget_selection()
+    forget_selection()
 
 
-def _forget_selection() -> None:
+def forget_selection() -> None:
+    """Drop cached statuses and the selection (after registering or unregistering plugins)."""
     backend_statuses.cache_clear()
     selected_backend.cache_clear()
     _implementation.cache_clear()
@@ -96,7 +97,7 @@ def reset() -> None:
     """Drop the manager and every cached decision (tests)."""
     global _pm
     _pm = None
-    _forget_selection()
+    forget_selection()
 
 
 def _impl_of(plugin_name: str, hook_name: str) -> Callable[..., Any] | None:
@@ -108,7 +109,7 @@ def _impl_of(plugin_name: str, hook_name: str) -> Callable[..., Any] | None:
 
 def backend_names() -> list[str]:
     pm = get_plugin_manager()
-    return [name for name, _ in pm.list_name_plugin() if name is not None]
+    return [impl.plugin_name for impl in pm.hook.hb_backend_identity.get_hookimpls()]
 
 
 def _probe(name: str) -> Availability:

@@ -1,0 +1,82 @@
+"""``vllm-hybrid-backends doctor``: report fields, exit codes, environment warnings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_hybrid_backends import cli
+
+
+def run_doctor(capsys, *args):
+    status = cli.main(["doctor", *args])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_doctor_json_reports_every_backend(fresh_plugins, capsys):
+    status, out, _ = run_doctor(capsys, "--json")
+    report = json.loads(out)
+    assert status == 0
+    assert report["selected_backend"] == "cpu"
+    assert report["vllm_supported"] is True
+    assert report["platform"] == "cpu"
+    for key in ("vllm_version", "env", "warnings", "selection_reason"):
+        assert key in report
+    backends = {b["name"]: b for b in report["backends"]}
+    assert list(backends) == ["cpu", "cuda", "rocm", "ascend"]
+    for name in ("cuda", "rocm", "ascend"):
+        assert backends[name]["available"] is False and backends[name]["reason"]
+        assert backends[name]["hooks"]["hb_copy_state_blocks"] == "cpu"
+
+
+def test_doctor_rejects_a_bogus_backend_naming_the_allowed_values(fresh_plugins, capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_HYBRID_BACKEND", "bogus")
+    status, out, err = run_doctor(capsys, "--json")
+    assert status != 0
+    assert "allowed values: auto, cpu, cuda, rocm, ascend" in err
+    assert json.loads(out)["selected_backend"] is None
+
+
+def test_doctor_explains_an_unavailable_backend(fresh_plugins, capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_HYBRID_BACKEND", "cuda")
+    status, out, err = run_doctor(capsys)
+    assert status != 0
+    assert "torch is not a CUDA build" in err
+    assert "backend:   none" in out
+
+
+def test_doctor_human_output_lists_delegation(fresh_plugins, capsys):
+    status, out, _ = run_doctor(capsys)
+    assert status == 0
+    assert "delegated to cpu: hb_copy_state_blocks" in out
+
+
+@pytest.mark.parametrize(
+    ("env", "ascend_installed", "expected"),
+    [
+        ({"VLLM_PLUGINS": "hybrid_backends"}, True, "lacks 'ascend'"),
+        ({"VLLM_PLUGINS": "ascend"}, True, "does not include 'hybrid_backends'"),
+        ({"ROCR_VISIBLE_DEVICES": "0", "HIP_VISIBLE_DEVICES": "0"}, False, "both set"),
+        ({"HIP_VISIBLE_DEVICES": "0,1", "CUDA_VISIBLE_DEVICES": "1"}, False, "disagree"),
+    ],
+)
+def test_environment_traps_are_warned(env, ascend_installed, expected):
+    warnings = cli.environment_warnings(env, ascend_installed)
+    assert any(expected in w for w in warnings), warnings
+
+
+def test_a_clean_environment_has_no_warnings():
+    assert cli.environment_warnings({"VLLM_PLUGINS": "hybrid_backends"}, False) == []
+    assert cli.environment_warnings({"HIP_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": "1"}, False) == []
+
+
+def test_console_script_exit_code(tmp_path):
+    env = {"VLLM_HYBRID_BACKEND": "rocm", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "vllm_hybrid_backends.cli", "doctor"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2
+    assert "not a ROCm/HIP build" in done.stderr

@@ -1,0 +1,166 @@
+"""``vllm-hybrid-backends``: the command line (``doctor`` for now)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+from typing import Any
+
+from . import __version__
+
+ENV_SHOWN = (
+    "CUDA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "ASCEND_RT_VISIBLE_DEVICES",
+    "VLLM_PLUGINS",
+    "VLLM_TARGET_DEVICE",
+)
+PLUGIN_NAME = "hybrid_backends"
+ASCEND_PLUGINS = "ascend,ascend_kv_connector,ascend_model_loader,ascend_service_profiling,ascend_model"
+
+
+def _vllm_ascend_installed() -> bool:
+    if importlib.util.find_spec("vllm_ascend") is not None:
+        return True
+    try:
+        importlib.metadata.version("vllm-ascend")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def environment() -> dict[str, str]:
+    shown = {name: os.environ[name] for name in ENV_SHOWN if name in os.environ}
+    shown.update({k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_HYBRID_")})
+    return shown
+
+
+def environment_warnings(env: dict[str, str], vllm_ascend_installed: bool) -> list[str]:
+    """Known traps in the device and plugin environment variables."""
+    warnings = []
+    plugins_var = env.get("VLLM_PLUGINS")
+    if plugins_var is not None:
+        names = [n.strip() for n in plugins_var.split(",")]
+        if PLUGIN_NAME not in names:
+            warnings.append(
+                f"VLLM_PLUGINS={plugins_var!r} does not include {PLUGIN_NAME!r}: vLLM will not "
+                "load this plugin"
+            )
+        if vllm_ascend_installed and "ascend" not in names:
+            warnings.append(
+                f"VLLM_PLUGINS={plugins_var!r} lacks 'ascend' while vllm-ascend is installed: "
+                "vLLM then loses the NPU platform; leave VLLM_PLUGINS unset or use "
+                f"VLLM_PLUGINS={ASCEND_PLUGINS},{PLUGIN_NAME}"
+            )
+    if "ROCR_VISIBLE_DEVICES" in env and "HIP_VISIBLE_DEVICES" in env:
+        warnings.append(
+            "ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES are both set: HIP remaps devices a "
+            "second time on top of ROCR's selection; set only one"
+        )
+    hip, cuda = env.get("HIP_VISIBLE_DEVICES"), env.get("CUDA_VISIBLE_DEVICES")
+    if hip is not None and cuda is not None and hip != cuda:
+        warnings.append(
+            f"HIP_VISIBLE_DEVICES={hip!r} and CUDA_VISIBLE_DEVICES={cuda!r} disagree: vLLM on "
+            "ROCm refuses to start; make them equal or unset one"
+        )
+    return warnings
+
+
+def _vllm_platform() -> str:
+    try:
+        from vllm.platforms import current_platform
+
+        return str(getattr(current_platform, "device_name", None) or type(current_platform).__name__)
+    except Exception as exc:
+        return f"unavailable ({type(exc).__name__}: {exc})"
+
+
+def doctor_report() -> tuple[dict[str, Any], int]:
+    """Everything ``doctor`` prints, and its exit status (0 when a backend is selected)."""
+    from . import plugins
+    from .compat import SUPPORTED_VLLM_TEXT, installed_vllm_version, is_supported
+    from .device import detect_device_kind
+
+    version = installed_vllm_version()
+    env = environment()
+    report: dict[str, Any] = {
+        "plugin_version": __version__,
+        "vllm_version": version,
+        "vllm_supported": is_supported(version),
+        "vllm_supported_range": SUPPORTED_VLLM_TEXT,
+        "platform": _vllm_platform(),
+        "device_kind": detect_device_kind().value,
+        "selected_backend": None,
+        "selection_reason": None,
+        "backends": [
+            {
+                "name": status.name,
+                "device_kind": status.identity.device_kind.value,
+                "priority": status.identity.priority,
+                "available": status.availability.available,
+                "reason": status.availability.reason,
+                "hooks": status.hooks,
+            }
+            for status in plugins.backend_statuses()
+        ],
+        "env": env,
+        "warnings": environment_warnings(env, _vllm_ascend_installed()),
+    }
+    try:
+        report["selected_backend"] = plugins.selected_backend()
+        report["selection_reason"] = plugins.selection_explanation()
+    except plugins.BackendSelectionError as exc:
+        report["error"] = str(exc)
+        return report, 2
+    return report, 0
+
+
+def _print_human(report: dict[str, Any]) -> None:
+    supported = "supported" if report["vllm_supported"] else "NOT supported"
+    print(f"vllm-hybrid-backends {report['plugin_version']}")
+    print(f"vLLM:      {report['vllm_version']} ({supported}; range {report['vllm_supported_range']})")
+    print(f"platform:  {report['platform']}   device kind: {report['device_kind']}")
+    if report["selected_backend"]:
+        print(f"backend:   {report['selected_backend']}  ({report['selection_reason']})")
+    else:
+        print(f"backend:   none: {report['error']}")
+    print("backends:")
+    for backend in report["backends"]:
+        mark = "yes" if backend["available"] else "no "
+        own = [h for h, who in backend["hooks"].items() if who == backend["name"]]
+        delegated = [h for h, who in backend["hooks"].items() if who not in (backend["name"], "none")]
+        print(f"  {backend['name']:<8} available={mark} priority={backend['priority']:<4} {backend['reason']}")
+        print(f"           own hooks: {', '.join(own) or '-'}")
+        if delegated:
+            print(f"           delegated to cpu: {', '.join(delegated)}")
+    print("env:       " + (", ".join(f"{k}={v}" for k, v in report["env"].items()) or "(none set)"))
+    for warning in report["warnings"]:
+        print(f"WARNING:   {warning}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-hybrid-backends", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    doctor = commands.add_parser("doctor", help="show vLLM, the platform and the backends")
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+
+    if args.command == "doctor":
+        report, status = doctor_report()
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            _print_human(report)
+        if status:
+            print(f"error: {report['error']}", file=sys.stderr)
+        return status
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
