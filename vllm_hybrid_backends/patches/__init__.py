@@ -4,7 +4,7 @@ Every patch module exposes ``TARGET_MODULE``, ``TARGET_SYMBOLS``, ``PROCESS`` (`
 ``engine``), ``missing() -> list[str]`` (capability check: what it needs and cannot find) and
 ``apply()`` (idempotent). :func:`apply_all` checks every patch of a process first and applies
 none if any check fails: never a half-patched engine. ``docs/patches.md`` is generated from the
-module docstrings (``python -m vllm_hybrid_backends.patches``) and a test keeps it current.
+module docstrings (``python -m vllm_hybrid_backends.docs``) and a test keeps it current.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def render_index() -> str:
     """Markdown index of every patch, generated from the modules' docstrings."""
     lines = ["# Patches over vLLM", "",
              "Generated from the patch modules' docstrings by "
-             "`python -m vllm_hybrid_backends.patches`; do not edit by hand.", ""]
+             "`python -m vllm_hybrid_backends.docs`; do not edit by hand.", ""]
     for module in patch_modules():
         short = module.__name__.rsplit(".", 1)[-1]
         lines += [f"## `{short}`", "",
