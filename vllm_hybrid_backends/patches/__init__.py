@@ -35,11 +35,11 @@ def apply_all(process: str) -> bool:
             "hybrid_backends: this vLLM lacks what the %s patches need (%s); patching nothing",
             process, "; ".join(problems),
         )
-        trace_event("patches_skipped", process=process, problems=problems)
+        trace_event("patches_skipped", scope=process, problems=problems)
         return False
     for module in modules:
         module.apply()
-    trace_event("patches_applied", process=process, patches=[m.__name__ for m in modules])
+    trace_event("patches_applied", scope=process, patches=[m.__name__ for m in modules])
     return True
 
 
