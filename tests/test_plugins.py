@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from vllm_hybrid_backends import hookimpl
-from vllm_hybrid_backends.types import Availability, BackendIdentity, DeviceKind, MambaStateTensor, StateKind
+from vllm_hybrid_backends.types import (
+    Availability,
+    BackendIdentity,
+    DeviceKind,
+    MambaStateTensor,
+    StateKind,
+)
 
 
 def make_backend(name, *, device=DeviceKind.CPU, priority=50, available=True, copy=None, overrides=None):

@@ -31,7 +31,13 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
-    from .types import Availability, BackendIdentity, BackendStatus, CheckpointBatch, MambaStateTensor
+    from .types import (
+        Availability,
+        BackendIdentity,
+        BackendStatus,
+        CheckpointBatch,
+        MambaStateTensor,
+    )
 
 PROJECT_NAME = "hybrid_backends"
 

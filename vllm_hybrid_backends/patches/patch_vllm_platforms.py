@@ -31,7 +31,7 @@ PROCESS = "engine"
 _MARK = "_hybrid_backends_wrapped"
 
 
-def _platform_class() -> type:
+def _platform_class() -> Any:
     from vllm.platforms import current_platform
 
     return type(current_platform)

@@ -72,22 +72,20 @@ def _states_for(kv_cache_config: Any, copy_funcs: Any, group_ids: list[int],
         return _state_cache[key]
     conv_kind = StateKind.CONV_DS if module.is_conv_state_dim_first() else StateKind.CONV_SD
     kinds = {module.get_conv_copy_spec: conv_kind, module.get_temporal_copy_spec: StateKind.TEMPORAL}
-    states: list[MambaStateTensor] | None = []
+    states: list[MambaStateTensor] = []
+    known = True
     for group_index, group_id in enumerate(group_ids):
         group = kv_cache_config.kv_cache_groups[group_id]
         for layer_name in group.layer_names:
             spec = module._get_mamba_spec_for_layer(group, layer_name)
             funcs = copy_funcs[spec.mamba_type]
-            tensors = forward_context[layer_name].kv_cache
-            if any(f not in kinds for f in funcs):
-                states = None
-                break
-            for tensor, func in zip(tensors, funcs):
-                states.append(MambaStateTensor(tensor, kinds[func], group_index, layer_name))
-        if states is None:
-            break
-    _state_cache[key] = states
-    return states
+            known = known and all(f in kinds for f in funcs)
+            if known:
+                tensors = forward_context[layer_name].kv_cache
+                states += [MambaStateTensor(t, kinds[f], group_index, layer_name)
+                           for t, f in zip(tensors, funcs)]
+    _state_cache[key] = states if known else None
+    return _state_cache[key]
 
 
 def collect_mamba_copy_meta(copy_bufs: Any, kv_cache_config: Any, mamba_state_copy_funcs: Any,
