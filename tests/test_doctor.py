@@ -30,7 +30,9 @@ def test_doctor_json_reports_every_backend(fresh_plugins, capsys):
     assert list(backends) == ["cpu", "cuda", "rocm", "ascend"]
     for name in ("cuda", "rocm", "ascend"):
         assert backends[name]["available"] is False and backends[name]["reason"]
+    for name in ("cuda", "rocm"):
         assert backends[name]["hooks"]["hb_copy_state_blocks"] == "cpu"
+    assert set(backends["ascend"]["hooks"].values()) == {"ascend"}  # none delegated
 
 
 def test_doctor_rejects_a_bogus_backend_naming_the_allowed_values(fresh_plugins, capsys, monkeypatch):

@@ -82,6 +82,54 @@ def triton_available() -> tuple[bool, str]:
 
 
 @functools.cache
+def ascend_soc_name() -> str:
+    """Name of NPU 0 as torch_npu reports it (``Ascend910B2``, ``Ascend910_9392``,
+    ``Ascend310P3``); ``""`` when no NPU is usable. Imports torch_npu lazily."""
+    if npu_count() == 0:
+        return ""
+    try:
+        import torch
+
+        return str(torch.npu.get_device_name(0))  # type: ignore[attr-defined]
+    except Exception:
+        return ""
+
+
+@functools.cache
+def triton_ascend_available() -> tuple[bool, str]:
+    """Triton importable and its active driver is triton-ascend's (an NPU target)."""
+    has_triton, why = triton_available()
+    if not has_triton:
+        return False, why
+    try:
+        import triton
+
+        driver = triton.runtime.driver.active
+        backend = str(getattr(driver.get_current_target(), "backend", ""))
+    except Exception as exc:
+        return False, f"triton has no usable NPU driver: {type(exc).__name__}: {exc}"
+    if backend != "npu" and "ascend" not in type(driver).__module__:
+        return False, f"triton's active backend is {backend!r}, not triton-ascend"
+    return True, ""
+
+
+@functools.cache
+def ascend_vector_cores() -> int:
+    """Vector cores of the current NPU from triton-ascend's driver; 0 when it cannot say."""
+    if not triton_ascend_available()[0]:
+        return 0
+    try:
+        import torch
+        import triton
+
+        device = torch.npu.current_device()  # type: ignore[attr-defined]
+        properties = triton.runtime.driver.active.utils.get_device_properties(device)
+        return int(properties.get("num_vectorcore", 0))
+    except Exception:
+        return 0
+
+
+@functools.cache
 def detect_device_kind() -> DeviceKind:
     """The accelerator this process would run vLLM on: NPU, ROCm, CUDA, else CPU."""
     if torch_npu_installed() and npu_count() > 0:
@@ -96,5 +144,6 @@ def detect_device_kind() -> DeviceKind:
 def reset_caches() -> None:
     """Forget every detection result (tests that fake a device use this)."""
     for fn in (cuda_build, hip_build, gpu_count, torch_npu_installed, import_torch_npu,
-               npu_count, triton_available, detect_device_kind):
+               npu_count, triton_available, detect_device_kind, ascend_soc_name,
+               triton_ascend_available, ascend_vector_cores):
         fn.cache_clear()
