@@ -94,18 +94,23 @@ class Model:
     """Random Mamba states of two groups: SD conv, DS conv, an SD conv with strided columns,
     a contiguous temporal state and a page-padded temporal state (block stride > block size)."""
 
-    def __init__(self, gen: torch.Generator, dtype: torch.dtype, num_blocks: int = 13):
+    def __init__(self, gen: torch.Generator, dtype: torch.dtype, num_blocks: int = 13,
+                 device: str = "cpu"):
         self.num_blocks = num_blocks
         self.backing: list[torch.Tensor] = []
         self.states: list[MambaStateTensor] = []
+
+        def random(*shape):
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
         for group in (0, 1):
-            self._add(torch.randn(num_blocks, 4, 5, generator=gen).to(dtype), StateKind.CONV_SD, group)
-            self._add(torch.randn(num_blocks, 7, 3, generator=gen).to(dtype), StateKind.CONV_DS, group)
-            self._add(torch.randn(num_blocks, 3, 4, generator=gen).to(dtype), StateKind.TEMPORAL, group)
-        transposed = torch.randn(num_blocks, 6, 4, generator=gen).to(dtype)
+            self._add(random(num_blocks, 4, 5), StateKind.CONV_SD, group)
+            self._add(random(num_blocks, 7, 3), StateKind.CONV_DS, group)
+            self._add(random(num_blocks, 3, 4), StateKind.TEMPORAL, group)
+        transposed = random(num_blocks, 6, 4)
         self.backing.append(transposed)
         self.states.append(MambaStateTensor(transposed.transpose(1, 2), StateKind.CONV_SD, 0, "sd-strided"))
-        padded = torch.randn(num_blocks * 40, generator=gen).to(dtype)
+        padded = random(num_blocks * 40)
         self.backing.append(padded)
         self.states.append(MambaStateTensor(padded.as_strided((num_blocks, 3, 5, 2), (40, 10, 2, 1)),
                                             StateKind.TEMPORAL, 1, "temporal-padded"))
@@ -132,7 +137,14 @@ class Model:
 
     def assert_same(self, want: Model) -> None:
         for state, got, expected in zip(self.states, self.backing, want.backing):
-            assert_same_bits(got, expected, state.layer)
+            assert_same_bits(got.cpu(), expected.cpu(), state.layer)
+
+    def to_cpu(self) -> Model:
+        twin = self.clone()
+        twin.backing = [b.cpu() for b in twin.backing]
+        twin.states = [MambaStateTensor(b.as_strided(s.tensor.shape, s.tensor.stride(), s.tensor.storage_offset()),
+                                        s.kind, s.group, s.layer) for s, b in zip(twin.states, twin.backing)]
+        return twin
 
 
 def _generator(request) -> torch.Generator:
@@ -288,6 +300,26 @@ def test_conv_bias_outside_the_window_is_rejected(request, path):
 
 
 # ---- routing: the chosen path's code runs ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("soc", "triton_ok"), [pytest.param("Ascend910B2", True, id="a2-triton"),
+                                                pytest.param("Ascend310P3", False, id="310p-torch")])
+def test_the_facade_reaches_the_ascend_backends_own_code(request, monkeypatch, fresh_plugins, soc,
+                                                         triton_ok):
+    launched = request.getfixturevalue("launches") if triton_ok else []
+    torch_ops: list[int] = []
+    _fake_npu(monkeypatch, soc, triton_ok)
+    original = torch_npu_ops.copy_blocks
+    monkeypatch.setattr(torch_npu_ops, "copy_blocks", lambda *a: torch_ops.append(1) or original(*a))
+    monkeypatch.setenv("VLLM_HYBRID_BACKEND", "ascend")
+    model = Model(_generator(request), torch.float16)
+    want = model.clone()
+    src, dst = torch.tensor([[0, 1], [2, 3]]), torch.tensor([[4, 5], [6, 7]])
+    reference.copy_state_blocks(want.states, src, dst)
+    fresh_plugins.copy_state_blocks(model.states, src, dst)
+    assert fresh_plugins.selected_backend() == "ascend"
+    model.assert_same(want)
+    assert (len(launched) > 0, len(torch_ops) > 0) == (triton_ok, not triton_ok)
 
 
 def test_triton_path_launches_the_ascend_kernels(request, launches):
@@ -545,3 +577,28 @@ def test_device_helpers_report_no_npu_here():
     available, why = device.triton_ascend_available()
     assert not available and why
     assert device.ascend_vector_cores() == 0
+
+
+@pytest.mark.ascend
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_hook_on_npu_tensors_matches_reference(request, dtype):
+    """On an Ascend machine: the path this SoC selects, on NPU tensors, against the reference."""
+    gen = _generator(request)
+    model = Model(gen, dtype, device="npu")
+    want = model.to_cpu()
+    tables = _tables(gen, model, 6, 6)
+    src_cols, dst_cols = torch.tensor([0, 1, -1, 2, 3, 1]), torch.tensor([1, 2, 0, 2, 4, 3])
+    bias = torch.tensor([1, 0, 0, 1, 2, 0])
+    reference.precopy_running_states(want.states, tables, src_cols, dst_cols, bias)
+    backend.precopy_running_states(model.states, [t.to("npu") for t in tables], src_cols.to("npu"),
+                                   dst_cols.to("npu"), bias.to("npu"))
+    model.assert_same(want)
+    src = torch.stack([torch.randperm(13, generator=gen)[:5] for _ in (0, 1)])
+    dst = torch.stack([torch.randperm(13, generator=gen)[:5] for _ in (0, 1)])
+    reference.copy_state_blocks(want.states, src, dst)
+    backend.copy_state_blocks(model.states, src, dst)
+    model.assert_same(want)
+    seq_lens = torch.randint(0, 30, (6,), generator=gen)
+    expected = reference.gather_aligned_state_indices(tables, seq_lens, 4, 2)
+    got = backend.gather_aligned_state_indices([t.to("npu") for t in tables], seq_lens.to("npu"), 4, 2)
+    assert torch.equal(got.cpu(), expected)
