@@ -21,6 +21,8 @@ PATCH_MODULES = (
     "vllm_hybrid_backends.patches.patch_vllm_platforms",
     "vllm_hybrid_backends.patches.patch_vllm_v1_worker_mamba_utils",
     "vllm_hybrid_backends.patches.patch_vllm_ascend_worker_worker",
+    "vllm_hybrid_backends.patches.patch_vllm_v1_core_sched_scheduler",
+    "vllm_hybrid_backends.patches.patch_vllm_v1_core_kv_cache_coordinator",
 )
 
 
@@ -64,6 +66,16 @@ def apply_all(process: str) -> bool:
     trace_event("patches_applied", scope=process, patches=[m.__name__ for m in applied],
                 optional_skipped=[m.__name__ for m in skipped])
     return True
+
+
+def revert_all(process: str) -> None:
+    """Undo every patch of ``process`` that can be undone (the replay harness compares
+    plugin and upstream scheduling in one process)."""
+    for module in patch_modules(process):
+        revert = getattr(module, "revert", None)
+        if revert is not None:
+            revert()
+    trace_event("patches_reverted", scope=process)
 
 
 def render_index() -> str:

@@ -1,0 +1,72 @@
+"""Stop align-mode prefill chunks at the plugin's checkpoints and on the Mamba grid.
+
+- Targets: ``vllm.v1.core.sched.scheduler.Scheduler._mamba_block_aligned_split``.
+- Why: vLLM materialises a Mamba state only where a prefill chunk ends, and keeps just the
+  prompt's last aligned boundary (plus a shared-prefix junction seen *while* a second request
+  prefills). A request that later diverges inside an earlier prompt therefore recomputes from
+  token 0 (the agentic/incremental miss). Separately, the split aligns on
+  ``cache_config.block_size`` (the smallest group's block), so with a coarser Mamba block a
+  chunk can end off the Mamba grid and a state is cached under the wrong boundary.
+- How: the original decides the chunk; :func:`vllm_hybrid_backends.align.chunk_end` then stops
+  it at the first tail checkpoint inside it (``VLLM_HYBRID_TAIL_CHECKPOINTS``) and floors a
+  non-final end to the scheduler's LCM block (``VLLM_HYBRID_MAMBA_GRID``). Only requests of
+  models with Mamba groups in align mode are touched (``need_mamba_block_aligned_split``).
+- Upstream: vLLM #54076 (chunk ends off the Mamba grid, open); the agentic miss is §4(a) of
+  ``vllm_map.md``; junction checkpoints #37898 only help the third request.
+- vLLM versions: 0.32.x, 0.33.x (the method is unchanged but for lookahead plumbing).
+- Removal: when vLLM retains intermediate boundaries itself and splits on the Mamba block.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .. import align
+
+TARGET_MODULE = "vllm.v1.core.sched.scheduler"
+TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split",)
+PROCESS = "engine"
+
+_ORIGINALS: dict[str, Any] = {}
+
+
+def _scheduler_class() -> Any:
+    return importlib.import_module(TARGET_MODULE).Scheduler
+
+
+def missing() -> list[str]:
+    try:
+        cls = _scheduler_class()
+    except Exception as exc:
+        return [f"import {TARGET_MODULE}: {exc}"]
+    return [] if callable(getattr(cls, "_mamba_block_aligned_split", None)) else [TARGET_SYMBOLS[0]]
+
+
+def _mamba_block_aligned_split(self: Any, request: Any, num_new_tokens: int,
+                               num_new_local_computed_tokens: int = 0,
+                               num_external_computed_tokens: int = 0) -> int:
+    scheduled = _ORIGINALS["_mamba_block_aligned_split"](
+        self, request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
+    start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+    prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+    if scheduled <= 0 or start >= prefill_end:
+        return scheduled
+    end = align.chunk_end(start, start + scheduled, request.num_prompt_tokens, prefill_end,
+                          split_block_size=self.cache_config.block_size,
+                          state_block_size=self.block_size, policy=align.current_policy())
+    return max(end - start, 0)
+
+
+def apply() -> None:
+    cls = _scheduler_class()
+    current = cls._mamba_block_aligned_split
+    if current is _mamba_block_aligned_split:
+        return
+    _ORIGINALS["_mamba_block_aligned_split"] = current
+    cls._mamba_block_aligned_split = _mamba_block_aligned_split
+
+
+def revert() -> None:
+    if "_mamba_block_aligned_split" in _ORIGINALS:
+        _scheduler_class()._mamba_block_aligned_split = _ORIGINALS.pop("_mamba_block_aligned_split")
