@@ -33,13 +33,34 @@ def _window(state: MambaStateTensor, block: torch.Tensor | int, start: int, stop
     return state.tensor[block, :, start:stop]
 
 
+PER_BLOCK_COPY_BYTES = 4096
+"""Blocks at least this large, when no block of the group is both read and written, are copied
+one by one: a single pass over the data. Otherwise (chains, tiny blocks, device-resident ids)
+all sources are gathered, then scattered."""
+
+
 def copy_state_blocks(
     states: Sequence[MambaStateTensor], src_blocks: torch.Tensor, dst_blocks: torch.Tensor
 ) -> None:
+    on_host = src_blocks.device.type == "cpu" and dst_blocks.device.type == "cpu"
+    src_rows = src_blocks.tolist() if on_host else []
+    dst_rows = dst_blocks.tolist() if on_host else []
+    # groups whose moves can go block by block: ids on the host, no block both read and written
+    disjoint = {g for g, (s, d) in enumerate(zip(src_rows, dst_rows)) if set(s).isdisjoint(d)}
+    indices: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
     for state in states:
-        src = src_blocks[state.group].to(device=state.tensor.device, dtype=torch.long)
-        dst = dst_blocks[state.group].to(device=state.tensor.device, dtype=torch.long)
-        state.tensor[dst] = state.tensor[src]  # advanced indexing gathers first
+        tensor, group = state.tensor, state.group
+        block_bytes = tensor[0].numel() * tensor.element_size() if len(tensor) else 0
+        if group in disjoint and block_bytes >= PER_BLOCK_COPY_BYTES:
+            for src, dst in zip(src_rows[group], dst_rows[group]):
+                tensor[dst].copy_(tensor[src])
+            continue
+        key = (group, tensor.device)
+        if key not in indices:
+            indices[key] = (src_blocks[group].to(device=tensor.device, dtype=torch.long),
+                            dst_blocks[group].to(device=tensor.device, dtype=torch.long))
+        src_index, dst_index = indices[key]
+        tensor[dst_index] = tensor[src_index]  # advanced indexing gathers first
 
 
 def _shifted_copies(

@@ -1,0 +1,838 @@
+"""Triton kernels for the Mamba state operations, shared by the ``cuda`` and ``rocm`` backends.
+
+The kernels are the same for both vendors; each backend passes its own launch shapes
+(``backends/<vendor>/tuning.py``). This module imports ``triton`` at import time, so the backends
+import it lazily, the first time a hook runs.
+
+How the work is laid out (the same for every hook):
+
+- A call is turned, on the host, into *segments*: one per (state tensor, copy mode), each with the
+  tensor's base address and strides, and a shared list of *items* (source block, destination
+  block, token shift). One launch then covers every layer and every group of the step: program
+  ``p`` finds its segment by comparing ``p`` with the segments' first program ids (one vector
+  load), then its item and its tile inside the item.
+- Addresses are int64 values; a kernel casts the scalar base to a pointer once and adds int64
+  offsets (never a vector of integers cast to pointers).
+- Copies move raw bits as integer words, the widest of 8/4/2/1 bytes that the addresses, strides
+  and sizes allow, so fp32/fp16/bf16 states are copied bit for bit. Only the checkpoint store
+  converts dtypes, with torch's rounding (round-to-nearest-even, done in integer arithmetic so the
+  Triton interpreter and the GPU agree).
+- Snapshot semantics (every read before any write), as the hook specs require:
+  * a block that is read by one move and written by another (a chain or a cycle) is staged: a
+    first launch copies the endangered sources into a scratch buffer and the main launch reads
+    them from there. Only those blocks travel twice; when no block is both, there is one launch.
+  * an in-place conv-window shift (source and destination are the same block) is done by one
+    program per channel tile that loads the whole window, waits at a barrier, then stores:
+    reads and writes of different programs never touch the same bytes (vLLM #50729 was a race
+    between overlapping same-block copies).
+- Inputs arrive as host integer tensors on every vLLM path that reaches these hooks; index
+  tensors that live on the device are read back once per call (that read is what snapshot
+  semantics forces: which blocks are both sources and destinations decides the staging).
+
+``TRITON_INTERPRET=1`` set before this module is imported makes the kernels run on CPU tensors
+(the parity tests do this); without it they need CUDA/HIP tensors.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ..types import CheckpointBatch, MambaStateTensor, StateKind
+
+INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+"""The kernels of this module object were built for the Triton interpreter (CPU tensors)."""
+
+launch_counts: collections.Counter[str] = collections.Counter()
+"""Kernel launches made by this process, by kernel name (routing tests read it)."""
+
+
+@dataclass(frozen=True)
+class LaunchTuning:
+    """Launch shapes for one device architecture (tables live in each backend's tuning.py)."""
+
+    name: str
+    lanes_per_warp: int  # 32 on NVIDIA, 64 (wavefront) on AMD CDNA
+    num_warps: int
+    flat_step_bytes: int  # bytes one program moves per load/store step of a whole-block copy
+    flat_steps: int  # steps per program: a program copies flat_step_bytes * flat_steps bytes
+    window_tile_bytes: int  # bytes of one (tokens x channels) tile of a conv-window copy
+    checkpoint_tile_elems: int  # elements per program in a checkpoint store
+    gather_rows: int  # block-table rows per program in the aligned-index gather
+    memcpy_chunk_bytes: int  # bytes per step of the batch_memcpy override
+    memcpy_split: int  # programs sharing one non-overlapping batch_memcpy entry
+    num_stages: int = 1  # no software pipelining: these kernels are pure streams
+
+
+# ---- kernel constants -------------------------------------------------------------------------
+
+_NEVER = tl.constexpr(2**62)  # first-program id of a padding segment: never <= a program id
+
+# fields of a copy segment (table is field-major: field f of segment s at f * S + s)
+_SRC_BASE = tl.constexpr(0)
+_SRC_BLOCK = tl.constexpr(1)
+_SRC_TOK = tl.constexpr(2)
+_SRC_CHAN = tl.constexpr(3)
+_DST_BASE = tl.constexpr(4)
+_DST_BLOCK = tl.constexpr(5)
+_DST_TOK = tl.constexpr(6)
+_DST_CHAN = tl.constexpr(7)
+_TOKENS = tl.constexpr(8)
+_CHANNELS = tl.constexpr(9)
+_ITEM0 = tl.constexpr(10)
+_TILES = tl.constexpr(11)
+_PROG0 = tl.constexpr(12)
+_MODE = tl.constexpr(13)
+_NUM_FIELDS = 14
+
+MODE_FLAT = 0  # whole blocks: `channels` words from each block's start
+MODE_WINDOW = 1  # conv window: tokens [shift, L) -> [0, L - shift), every channel
+
+# dtype kinds of the checkpoint store
+_K_F32 = tl.constexpr(0)
+_K_F16 = tl.constexpr(1)
+_K_BF16 = tl.constexpr(2)
+_K_RAW = tl.constexpr(3)  # same dtype on both sides: bits are copied, whatever the dtype
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+
+
+# tl.sum is a jit function of triton.language.standard, built when triton was first imported:
+# if TRITON_INTERPRET was set only later (for this module), it cannot run in interpreted kernels,
+# which then count segments with a scalar loop instead (SUM_OK=False).
+SUM_OK = tl.constexpr(not INTERPRETED or type(tl.sum).__name__ == "InterpretedFunction")
+
+
+@triton.jit
+def _find_segment(table, num_segments, pid, SEG_P2: tl.constexpr):
+    """Index of the segment whose program range holds ``pid`` (ranges are sorted)."""
+    if SUM_OK:
+        offs = tl.arange(0, SEG_P2)
+        first = tl.load(table + _PROG0 * num_segments + offs, mask=offs < num_segments, other=_NEVER)
+        return tl.sum((first <= pid).to(tl.int32), axis=0) - 1
+    else:
+        seg = 0
+        for s in range(1, num_segments):
+            if tl.load(table + _PROG0 * num_segments + s) <= pid:
+                seg = s
+        return seg
+
+
+@triton.jit
+def _state_copy_kernel(
+    table, items, num_segments, num_items,
+    WORD: tl.constexpr, SEG_P2: tl.constexpr, FLAT_BLOCK: tl.constexpr,
+    FLAT_STEPS: tl.constexpr, WIN_T: tl.constexpr, WIN_C: tl.constexpr,
+):
+    """Block and conv-window copies of every segment; one program per (item, tile)."""
+    pid = tl.program_id(0).to(tl.int64)
+    seg = _find_segment(table, num_segments, pid, SEG_P2)
+    row = table + seg
+    tiles = tl.load(row + _TILES * num_segments)
+    local = pid - tl.load(row + _PROG0 * num_segments)
+    item = tl.load(row + _ITEM0 * num_segments) + local // tiles
+    tile = local % tiles
+    src_block = tl.load(items + item)
+    dst_block = tl.load(items + num_items + item)
+    shift = tl.load(items + 2 * num_items + item)
+    # scalar base -> pointer first, then int64 offsets
+    src = tl.load(row + _SRC_BASE * num_segments).to(tl.pointer_type(WORD))
+    src += src_block * tl.load(row + _SRC_BLOCK * num_segments)
+    dst = tl.load(row + _DST_BASE * num_segments).to(tl.pointer_type(WORD))
+    dst += dst_block * tl.load(row + _DST_BLOCK * num_segments)
+    channels = tl.load(row + _CHANNELS * num_segments)
+    if tl.load(row + _MODE * num_segments) == 0:
+        lanes = tl.arange(0, FLAT_BLOCK).to(tl.int64)
+        start = tile * (FLAT_BLOCK * FLAT_STEPS)
+        for step in tl.static_range(FLAT_STEPS):
+            offs = start + step * FLAT_BLOCK + lanes
+            keep = offs < channels
+            tl.store(dst + offs, tl.load(src + offs, mask=keep), mask=keep)
+    else:
+        tokens = tl.load(row + _TOKENS * num_segments)
+        t = tl.arange(0, WIN_T).to(tl.int64)[:, None]
+        c = tile * WIN_C + tl.arange(0, WIN_C).to(tl.int64)[None, :]
+        keep = (t < tokens - shift) & (c < channels)
+        src_offs = (t + shift) * tl.load(row + _SRC_TOK * num_segments)
+        src_offs += c * tl.load(row + _SRC_CHAN * num_segments)
+        window = tl.load(src + src_offs, mask=keep)
+        # the tile holds every token of its channels: once all lanes have loaded, no store can
+        # clobber a value another lane still has to read (in-place shifts are memmove-safe)
+        tl.debug_barrier()
+        dst_offs = t * tl.load(row + _DST_TOK * num_segments) + c * tl.load(row + _DST_CHAN * num_segments)
+        tl.store(dst + dst_offs, window, mask=keep)
+
+
+@triton.jit
+def _bits_to_f32(bits, KIND: tl.constexpr):
+    if KIND == _K_F32:
+        return bits.to(tl.float32, bitcast=True)
+    elif KIND == _K_F16:
+        return bits.to(tl.float16, bitcast=True).to(tl.float32)
+    else:  # bf16: the upper half of an fp32
+        return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f32_to_bits(value, KIND: tl.constexpr):
+    if KIND == _K_F32:
+        return value.to(tl.uint32, bitcast=True)
+    elif KIND == _K_F16:
+        return value.to(tl.float16).to(tl.uint16, bitcast=True)
+    else:
+        # bf16, round to nearest even exactly as torch does (NaN -> 0x7FC0)
+        u = value.to(tl.uint32, bitcast=True)
+        rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return tl.where(value != value, 0x7FC0, rounded).to(tl.uint16)
+
+
+@triton.jit
+def _convert_bits(bits, SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr):
+    if SRC_KIND == DST_KIND:
+        return bits
+    else:
+        return _f32_to_bits(_bits_to_f32(bits, SRC_KIND), DST_KIND)
+
+
+@triton.jit
+def _checkpoint_kernel(
+    table, items, num_segments, num_items,
+    SRC_BITS: tl.constexpr, DST_BITS: tl.constexpr, SRC_KIND: tl.constexpr,
+    DST_KIND: tl.constexpr, SEG_P2: tl.constexpr, WIN_T: tl.constexpr, WIN_C: tl.constexpr,
+    FLAT_BLOCK: tl.constexpr,
+):
+    """Checkpoint stores: conv windows from the token-major input, temporal rows, cast."""
+    pid = tl.program_id(0).to(tl.int64)
+    seg = _find_segment(table, num_segments, pid, SEG_P2)
+    row = table + seg
+    tiles = tl.load(row + _TILES * num_segments)
+    local = pid - tl.load(row + _PROG0 * num_segments)
+    item = tl.load(row + _ITEM0 * num_segments) + local // tiles
+    tile = local % tiles
+    dst_block = tl.load(items + item)
+    states = tl.load(row + _DST_BASE * num_segments).to(tl.pointer_type(DST_BITS))
+    block_stride = tl.load(row + _DST_BLOCK * num_segments)
+    dst = states + dst_block * block_stride
+    src = tl.load(row + _SRC_BASE * num_segments).to(tl.pointer_type(SRC_BITS))
+    channels = tl.load(row + _CHANNELS * num_segments)
+    if tl.load(row + _MODE * num_segments) == 0:
+        # temporal: row `temporal_row` of the source, contiguous, same trailing shape
+        src_row = tl.load(items + 4 * num_items + item)
+        offs = tile * FLAT_BLOCK + tl.arange(0, FLAT_BLOCK).to(tl.int64)
+        keep = offs < channels
+        bits = tl.load(src + src_row * tl.load(row + _SRC_BLOCK * num_segments) + offs, mask=keep)
+        tl.store(dst + offs, _convert_bits(bits, SRC_KIND, DST_KIND), mask=keep)
+    else:
+        end = tl.load(items + num_items + item)
+        start = tl.load(items + 2 * num_items + item)
+        initial = tl.load(items + 3 * num_items + item)
+        length = tl.load(row + _TOKENS * num_segments)
+        tok = tl.load(row + _DST_TOK * num_segments)
+        chan = tl.load(row + _DST_CHAN * num_segments)
+        t = tl.arange(0, WIN_T).to(tl.int64)[:, None]
+        c = tile * WIN_C + tl.arange(0, WIN_C).to(tl.int64)[None, :]
+        valid = (t < length) & (c < channels)
+        token = end - length + t  # row of the token-major input this position holds
+        from_input = valid & (token >= start)
+        x_offs = token * tl.load(row + _SRC_BLOCK * num_segments) + c * tl.load(row + _SRC_CHAN * num_segments)
+        x_bits = tl.load(src + x_offs, mask=from_input, other=0)
+        value = _convert_bits(x_bits, SRC_KIND, DST_KIND)
+        # positions before the sequence start: the tail of the initial block's window, cast
+        # through the input dtype and back as the reference concatenates it; zeros without one
+        # (initial >= 0 compared as a tensor: the interpreter mis-types scalar & tensor masks)
+        from_initial = valid & (token < start) & (tl.full(token.shape, 0, tl.int64) + initial >= 0)
+        initial_offs = initial * block_stride + (length + token - start) * tok + c * chan
+        p_bits = tl.load(states + initial_offs, mask=from_initial, other=0)
+        p_value = _convert_bits(_convert_bits(p_bits, DST_KIND, SRC_KIND), SRC_KIND, DST_KIND)
+        out = tl.where(from_input, value, tl.where(from_initial, p_value, tl.full(value.shape, 0, DST_BITS)))
+        tl.store(dst + t * tok + c * chan, out, mask=valid)
+
+
+@triton.jit
+def _gather_indices_kernel(
+    table_addrs, widths, row_strides, col_strides, seq_lens, out, num_rows, num_slots,
+    block_size, TABLE_T: tl.constexpr, ROWS: tl.constexpr, SLOTS: tl.constexpr,
+):
+    """out[g, r, j] = table_g[r, max((seq_lens[r] - 1) // block_size, 0) + j], -1 past the width."""
+    group = tl.program_id(1)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)[:, None]
+    slots = tl.arange(0, SLOTS).to(tl.int64)[None, :]
+    table = tl.load(table_addrs + group).to(tl.pointer_type(TABLE_T))
+    width = tl.load(widths + group)
+    in_range = (rows < num_rows) & (slots < num_slots)
+    lens = tl.load(seq_lens + rows, mask=rows < num_rows, other=0).to(tl.int64)
+    # C division truncates where Python floors, but both clamp to 0 for lens < 1
+    first = tl.maximum((lens - 1) // block_size, 0)
+    col = first + slots
+    valid = in_range & (col < width)
+    offs = rows * tl.load(row_strides + group) + col * tl.load(col_strides + group)
+    ids = tl.load(table + offs, mask=valid, other=0).to(tl.int32)
+    result = tl.where(valid, ids, -1)
+    tl.store(out + (group * num_rows + rows) * num_slots + slots, result, mask=in_range)
+
+
+@triton.jit
+def _move_chunk(src, dst, start, size, BLOCK: tl.constexpr, ORDERED: tl.constexpr):
+    offs = start + tl.arange(0, BLOCK).to(tl.int64)
+    keep = offs < size
+    data = tl.load(src + offs, mask=keep)
+    if ORDERED:
+        tl.debug_barrier()  # the whole chunk is read before any lane writes
+    tl.store(dst + offs, data, mask=keep)
+
+
+@triton.jit
+def _memmove_entry(src_addr, dst_addr, count, overlap, backward, part, WORD_T: tl.constexpr,
+                   BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    """Copy ``count`` WORD_T elements; overlapping ranges are moved by one program, in order."""
+    src = src_addr.to(tl.pointer_type(WORD_T))
+    dst = dst_addr.to(tl.pointer_type(WORD_T))
+    chunks = (count + BLOCK - 1) // BLOCK
+    if overlap:
+        if part == 0:
+            # memmove: ascending when the destination is below the source, else descending;
+            # a chunk's stores then only overwrite source bytes that are already read
+            for k in range(0, chunks):
+                chunk = tl.where(backward, chunks - 1 - k, k)
+                _move_chunk(src, dst, chunk * BLOCK, count, BLOCK, True)
+    else:
+        for chunk in range(part, chunks, SPLIT):
+            _move_chunk(src, dst, chunk * BLOCK, count, BLOCK, False)
+
+
+@triton.jit
+def _batch_memcpy_kernel(src_ptrs, dst_ptrs, sizes, CHUNK: tl.constexpr, SPLIT: tl.constexpr):
+    """vLLM's ``batch_memcpy_kernel`` contract, overlap-safe; program (entry, part)."""
+    entry = tl.program_id(0)
+    part = tl.program_id(1).to(tl.int64)
+    src_addr = tl.load(src_ptrs + entry).to(tl.int64)
+    dst_addr = tl.load(dst_ptrs + entry).to(tl.int64)
+    size = tl.load(sizes + entry).to(tl.int64)
+    overlap = (dst_addr < src_addr + size) & (src_addr < dst_addr + size)
+    backward = dst_addr > src_addr
+    if (size > 0) & (src_addr != dst_addr):
+        if ((src_addr | dst_addr | size) & 7) == 0:  # 8-byte words
+            _memmove_entry(src_addr, dst_addr, size // 8, overlap, backward, part, tl.int64,
+                           CHUNK // 8, SPLIT)
+        else:
+            _memmove_entry(src_addr, dst_addr, size, overlap, backward, part, tl.uint8, CHUNK, SPLIT)
+
+
+# ---- host side: checks and shared helpers -----------------------------------------------------
+
+
+def _check_device(tensor: torch.Tensor, what: str) -> None:
+    """Raise unless ``tensor`` lives where this module's kernels can run."""
+    if INTERPRETED:
+        if tensor.device.type != "cpu":
+            raise RuntimeError(
+                f"{what} is on {tensor.device}, but the Triton kernels were built for the "
+                "interpreter (TRITON_INTERPRET=1), which only runs on CPU tensors"
+            )
+        return
+    if tensor.device.type != "cuda":
+        raise RuntimeError(
+            f"{what} is on {tensor.device}; the Triton kernels need CUDA/HIP tensors "
+            "(set TRITON_INTERPRET=1 before the first hook call to run them on CPU tensors)"
+        )
+    current = triton.runtime.driver.active.get_current_device()
+    if tensor.device.index not in (None, current):
+        raise RuntimeError(
+            f"{what} is on {tensor.device} but the current device is {current}; "
+            "launch from the tensors' device"
+        )
+
+
+def device_target(device: torch.device) -> tuple[str, str]:
+    """``(backend, arch)`` of the device the kernels run on: ("interpreter", "") under
+    TRITON_INTERPRET, else Triton's target, e.g. ("cuda", "90") or ("hip", "gfx942")."""
+    if INTERPRETED:
+        return "interpreter", ""
+    target = triton.runtime.driver.active.get_current_target()
+    return str(target.backend), str(target.arch)
+
+
+def _pow2_at_least(value: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, int(value) - 1).bit_length())
+
+
+def _pow2_at_most(value: int) -> int:
+    return 1 << (max(1, int(value)).bit_length() - 1)
+
+
+def _widest_word(*byte_values: int) -> int:
+    """Largest of 8, 4, 2, 1 that divides every value (addresses, strides, sizes in bytes)."""
+    for word in (8, 4, 2):
+        if all(v % word == 0 for v in byte_values):
+            return word
+    return 1
+
+
+_WORD_TYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
+
+
+def _as_host_rows(tensor: torch.Tensor) -> list[Any]:
+    """Index values as Python lists (a device tensor is read back: one host sync)."""
+    return tensor.detach().to("cpu").tolist()
+
+
+def _block_bytes(state: MambaStateTensor) -> int:
+    return math.prod(state.tensor.shape[1:]) * state.tensor.element_size()
+
+
+def _check_contiguous_blocks(state: MambaStateTensor) -> None:
+    tensor = state.tensor
+    if tensor.shape[0] and not tensor[0].is_contiguous():
+        raise ValueError(
+            f"state {state.layer or '?'} has non-contiguous blocks (strides {tuple(tensor.stride())}); "
+            "the Triton kernels need each block's trailing dimensions contiguous, as vLLM lays them out"
+        )
+
+
+def _check_block_ids(ids: Sequence[int], state: MambaStateTensor, what: str) -> None:
+    count = state.tensor.shape[0]
+    for block in ids:
+        if not 0 <= block < count:
+            raise IndexError(
+                f"{what} names block {block} of state {state.layer or '?'}; allowed 0..{count - 1}"
+            )
+
+
+def _check_unique_destinations(ids: Sequence[int], group: int, what: str) -> None:
+    seen: set[int] = set()
+    for block in ids:
+        if block in seen:
+            raise ValueError(
+                f"{what}: group {group} writes block {block} twice; a destination block may "
+                "appear at most once per group and call"
+            )
+        seen.add(block)
+
+
+# ---- host side: block copies (copy_state_blocks, precopy, postprocess) -----------------------
+
+
+@dataclass
+class _Segment:
+    fields: list[int]  # the _NUM_FIELDS values, _ITEM0/_TILES/_PROG0 filled at launch
+    items: Sequence[tuple[int, ...]]  # copies: (source, destination, shift); checkpoints: 5 fields
+    word: int
+    window_tokens: int = 0  # L of a window segment (sizes the tile)
+
+
+@dataclass
+class _Moves:
+    """Block moves of one state tensor: ``dst[i] <- src[i]``, conv windows shifted by ``shift``."""
+
+    state: MambaStateTensor
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    shift: list[int] = field(default_factory=list)
+
+
+def _layout(state: MambaStateTensor) -> tuple[int, int, int, int, int]:
+    """(base address, block stride, token stride, channel stride, state_len) in bytes/tokens."""
+    tensor = state.tensor
+    size = tensor.element_size()
+    if state.kind is StateKind.CONV_SD:
+        tok, chan, length = tensor.stride(1), tensor.stride(2), tensor.shape[1]
+    elif state.kind is StateKind.CONV_DS:
+        tok, chan, length = tensor.stride(2), tensor.stride(1), tensor.shape[2]
+    else:
+        tok, chan, length = 0, 1, 1
+    return tensor.data_ptr(), tensor.stride(0) * size, tok * size, chan * size, length
+
+
+def _flat_segment(src_base: int, src_block: int, dst_base: int, dst_block: int, nbytes: int,
+                  items: list[tuple[int, int, int]]) -> _Segment:
+    word = _widest_word(src_base, src_block, dst_base, dst_block, nbytes)
+    fields = [src_base, src_block // word, 0, 1, dst_base, dst_block // word, 0, 1,
+              1, nbytes // word, 0, 0, 0, MODE_FLAT]
+    return _Segment(fields, items, word)
+
+
+def _window_segment(state: MambaStateTensor, src_base: int, src_block: int, dst_base: int,
+                    items: list[tuple[int, int, int]]) -> _Segment:
+    """Shifted conv-window copies; source may be a staged (contiguous) copy of the blocks."""
+    base, block, tok, chan, length = _layout(state)
+    size = state.tensor.element_size()
+    dim = state.tensor.shape[2] if state.kind is StateKind.CONV_SD else state.tensor.shape[1]
+    if chan == size:  # channels contiguous (SD): several channels may share one word
+        word = _widest_word(src_base, src_block, dst_base, block, tok, dim * size)
+        channels, chan_words, tokens, tok_words = dim * size // word, 1, length, tok // word
+    else:  # tokens contiguous (DS): a token is size // word words
+        word = _widest_word(src_base, src_block, dst_base, block, chan, size)
+        per_token = size // word
+        channels, chan_words, tokens, tok_words = dim, chan // word, length * per_token, 1
+        items = [(s, d, shift * per_token) for s, d, shift in items]
+    fields = [src_base, src_block // word, tok_words, chan_words, dst_base, block // word,
+              tok_words, chan_words, tokens, channels, 0, 0, 0, MODE_WINDOW]
+    return _Segment(fields, items, word, window_tokens=tokens)
+
+
+def _launch_copies(segments: list[_Segment], tuning: LaunchTuning, device: torch.device) -> None:
+    """One launch per word size over all segments (usually one launch in all)."""
+    by_word: dict[int, list[_Segment]] = {}
+    for segment in segments:
+        if segment.items:
+            by_word.setdefault(segment.word, []).append(segment)
+    for word in sorted(by_word, reverse=True):
+        group = by_word[word]
+        flat_block = _pow2_at_most(max(tuning.flat_step_bytes // word, tuning.lanes_per_warp))
+        flat_tile = flat_block * tuning.flat_steps
+        win_t = _pow2_at_least(max((s.window_tokens for s in group), default=1))
+        win_c = _pow2_at_most(max(tuning.window_tile_bytes // (win_t * word), 16))
+        columns: list[list[int]] = []
+        items: list[tuple[int, ...]] = []
+        programs = 0
+        for segment in group:
+            fields = list(segment.fields)
+            if fields[_MODE.value] == MODE_FLAT:
+                tiles = max(1, -(-fields[_CHANNELS.value] // flat_tile))
+            else:
+                tiles = max(1, -(-fields[_CHANNELS.value] // win_c))
+            fields[_ITEM0.value], fields[_TILES.value], fields[_PROG0.value] = len(items), tiles, programs
+            programs += tiles * len(segment.items)
+            items.extend(segment.items)
+            columns.append(fields)
+        num_segments, num_items = len(columns), len(items)
+        packed = torch.tensor(
+            [value for f in range(_NUM_FIELDS) for value in (col[f] for col in columns)]
+            + [i[0] for i in items] + [i[1] for i in items] + [i[2] for i in items],
+            dtype=torch.int64,
+        ).to(device)
+        table, item_table = packed[: _NUM_FIELDS * num_segments], packed[_NUM_FIELDS * num_segments:]
+        _state_copy_kernel[(programs,)](
+            table, item_table, num_segments, num_items,
+            WORD=_WORD_TYPES[word], SEG_P2=_pow2_at_least(num_segments, 16),
+            FLAT_BLOCK=flat_block, FLAT_STEPS=tuning.flat_steps, WIN_T=win_t, WIN_C=win_c,
+            num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        )
+        launch_counts["state_copy"] += 1
+
+
+def _run_moves(all_moves: list[_Moves], tuning: LaunchTuning) -> None:
+    """Perform every move with snapshot semantics (see the module docstring)."""
+    all_moves = [m for m in all_moves if m.src]
+    if not all_moves:
+        return
+    device = all_moves[0].state.tensor.device
+    staging: list[_Segment] = []
+    main: list[_Segment] = []
+    scratch_parts: list[tuple[_Moves, list[int], int]] = []  # (moves, endangered idx, bytes/block)
+    for moves in all_moves:
+        state = moves.state
+        _check_device(state.tensor, f"state {state.layer or '?'}")
+        _check_contiguous_blocks(state)
+        written = set(moves.dst)
+        endangered = [i for i, s in enumerate(moves.src) if s in written and s != moves.dst[i]]
+        if endangered:
+            scratch_parts.append((moves, endangered, -(-_block_bytes(state) // 16) * 16))
+    scratch = None
+    if scratch_parts:
+        total = sum(len(idx) * pitch for _, idx, pitch in scratch_parts)
+        scratch = torch.empty(total, dtype=torch.uint8, device=device)
+    scratch_at: dict[int, tuple[int, int, dict[int, int]]] = {}  # moves -> base, pitch, slots
+    offset = 0
+    for moves, endangered, pitch in scratch_parts:
+        assert scratch is not None
+        base = scratch.data_ptr() + offset
+        scratch_at[id(moves)] = (base, pitch, {i: slot for slot, i in enumerate(endangered)})
+        base_addr, block, *_ = _layout(moves.state)
+        items = [(moves.src[i], slot, 0) for slot, i in enumerate(endangered)]
+        staging.append(_flat_segment(base_addr, block, base, pitch, _block_bytes(moves.state), items))
+        offset += len(endangered) * pitch
+    for moves in all_moves:
+        state = moves.state
+        base_addr, block, *_ = _layout(state)
+        nbytes = _block_bytes(state)
+        staged_base, pitch, slots = scratch_at.get(id(moves), (0, 0, {}))
+        direct_flat: list[tuple[int, int, int]] = []
+        direct_window: list[tuple[int, int, int]] = []
+        staged_flat: list[tuple[int, int, int]] = []
+        staged_window: list[tuple[int, int, int]] = []
+        for i, (s, d, shift) in enumerate(zip(moves.src, moves.dst, moves.shift)):
+            if i in slots:
+                (staged_window if shift else staged_flat).append((slots[i], d, shift))
+            elif s == d and shift == 0:
+                continue  # a block onto itself: nothing to do
+            else:
+                (direct_window if shift else direct_flat).append((s, d, shift))
+        main.append(_flat_segment(base_addr, block, base_addr, block, nbytes, direct_flat))
+        main.append(_flat_segment(staged_base, pitch, base_addr, block, nbytes, staged_flat))
+        if direct_window:
+            main.append(_window_segment(state, base_addr, block, base_addr, direct_window))
+        if staged_window:
+            main.append(_window_segment(state, staged_base, pitch, base_addr, staged_window))
+    if staging:
+        _launch_copies(staging, tuning, device)
+    _launch_copies(main, tuning, device)
+    del scratch  # the caching allocator keeps it valid for the launches queued on this stream
+
+
+def copy_state_blocks(states: Sequence[MambaStateTensor], src_blocks: torch.Tensor,
+                      dst_blocks: torch.Tensor, tuning: LaunchTuning) -> None:
+    """``hb_copy_state_blocks``: whole blocks, every layer and group in one launch."""
+    src_rows, dst_rows = _as_host_rows(src_blocks), _as_host_rows(dst_blocks)
+    for group, row in enumerate(dst_rows):
+        _check_unique_destinations(row, group, "dst_blocks")
+    all_moves = []
+    for state in states:
+        src, dst = src_rows[state.group], dst_rows[state.group]
+        _check_block_ids(src, state, "src_blocks")
+        _check_block_ids(dst, state, "dst_blocks")
+        all_moves.append(_Moves(state, list(src), list(dst), [0] * len(src)))
+    _run_moves(all_moves, tuning)
+
+
+def _shifted_moves(states: Sequence[MambaStateTensor], block_tables: Sequence[torch.Tensor],
+                   rows: list[int], src_cols: list[int], dst_cols: list[int],
+                   biases: list[int], tuning: LaunchTuning, what: str) -> None:
+    """Copy (column ``src``, bias ``b``) -> column ``dst`` for the listed request rows."""
+    tables = [_as_host_rows(table) if table.numel() else [] for table in block_tables]
+    for state in states:
+        if state.kind.is_conv:
+            for row, bias in zip(rows, biases):
+                if not 0 <= bias < state.state_len:
+                    raise ValueError(
+                        f"token bias {bias} of request row {row} is outside [0, {state.state_len}) "
+                        f"(conv state_len of layer {state.layer or '?'})"
+                    )
+    dst_by_group: dict[int, list[int]] = {}
+    all_moves = []
+    for state in states:
+        table = tables[state.group]
+        dst = [table[r][d] for r, d in zip(rows, dst_cols)]
+        if state.kind.is_conv:
+            src = [table[r][s] for r, s in zip(rows, src_cols)]
+            shift = list(biases)
+        else:
+            src = [table[r][s + b] for r, s, b in zip(rows, src_cols, biases)]
+            shift = [0] * len(rows)
+        _check_block_ids(src, state, f"{what} source")
+        _check_block_ids(dst, state, f"{what} destination")
+        dst_by_group[state.group] = dst
+        all_moves.append(_Moves(state, src, dst, shift))
+    for group, dst in dst_by_group.items():
+        _check_unique_destinations(dst, group, what)
+    _run_moves(all_moves, tuning)
+
+
+def precopy_running_states(states: Sequence[MambaStateTensor], block_tables: Sequence[torch.Tensor],
+                           src_cols: torch.Tensor, dst_cols: torch.Tensor, token_bias: torch.Tensor,
+                           tuning: LaunchTuning) -> None:
+    """``hb_precopy_running_states``: one launch for every request, layer and group."""
+    rows, srcs, dsts, biases = [], [], [], []
+    for row, (src, dst, bias) in enumerate(
+        zip(_as_host_rows(src_cols), _as_host_rows(dst_cols), _as_host_rows(token_bias))
+    ):
+        if src < 0 or (src == dst and bias == 0):
+            continue
+        rows.append(row)
+        srcs.append(src)
+        dsts.append(dst)
+        biases.append(bias)
+    _shifted_moves(states, block_tables, rows, srcs, dsts, biases, tuning, "precopy")
+
+
+def postprocess_accepted_states(states: Sequence[MambaStateTensor], block_tables: Sequence[torch.Tensor],
+                                running_cols: torch.Tensor, num_running_tokens: torch.Tensor,
+                                num_accepted: torch.Tensor, block_size: int,
+                                num_accepted_out: torch.Tensor, tuning: LaunchTuning) -> None:
+    """``hb_postprocess_accepted_states``: the copies in one launch, then the accepted counts."""
+    rows, srcs, dsts, biases, reset = [], [], [], [], []
+    for row, (src, running, accepted) in enumerate(
+        zip(_as_host_rows(running_cols), _as_host_rows(num_running_tokens), _as_host_rows(num_accepted))
+    ):
+        aligned = (running + accepted - 1) // block_size * block_size
+        if aligned < running:
+            continue
+        bias = aligned - running
+        dst = aligned // block_size - 1
+        if src == dst:
+            reset.append(row)
+            if bias == 0:
+                continue
+        rows.append(row)
+        srcs.append(src)
+        dsts.append(dst)
+        biases.append(bias)
+    _shifted_moves(states, block_tables, rows, srcs, dsts, biases, tuning, "postprocess")
+    if reset:
+        index = torch.tensor(reset, dtype=torch.long).to(num_accepted_out.device)
+        num_accepted_out.index_fill_(0, index, 1)
+
+
+# ---- host side: checkpoint store --------------------------------------------------------------
+
+_KINDS = {torch.float32: _K_F32.value, torch.float16: _K_F16.value, torch.bfloat16: _K_BF16.value}
+_BITS = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
+
+
+def _dtype_pair(source: torch.Tensor, state: MambaStateTensor) -> tuple[int, int]:
+    if source.dtype == state.tensor.dtype:
+        return _K_RAW.value, _K_RAW.value
+    if source.dtype in _KINDS and state.tensor.dtype in _KINDS:
+        return _KINDS[source.dtype], _KINDS[state.tensor.dtype]
+    raise TypeError(
+        f"checkpoint source of {state.layer or '?'} is {source.dtype} and the state is "
+        f"{state.tensor.dtype}; casts are supported between float32, float16 and bfloat16 only"
+    )
+
+
+def store_checkpoints(states: Sequence[MambaStateTensor], sources: Sequence[torch.Tensor],
+                      checkpoints: CheckpointBatch, tuning: LaunchTuning) -> None:
+    """``hb_store_checkpoints``: one launch per (source dtype, state dtype) pair.
+
+    Every read happens before any write: a checkpoint may not start from a block that the same
+    call writes (the reference would read it half-updated, in checkpoint order), and a block is
+    written at most once; both are rejected with an error.
+    """
+    token_end = _as_host_rows(checkpoints.token_end)
+    seq_start = _as_host_rows(checkpoints.seq_start)
+    initial = _as_host_rows(checkpoints.initial_block)
+    dst_blocks = _as_host_rows(checkpoints.dst_block)
+    temporal_rows = _as_host_rows(checkpoints.temporal_row)
+    _check_unique_destinations(dst_blocks, 0, "checkpoint dst_block")
+    written = set(dst_blocks)
+    for k, block in enumerate(initial):
+        if block in written:
+            raise ValueError(
+                f"checkpoint {k} starts from block {block}, which this call also writes; "
+                "initial and destination blocks must differ"
+            )
+    items = [(d, e, s, i, r) for d, e, s, i, r in
+             zip(dst_blocks, token_end, seq_start, initial, temporal_rows)]
+    launches: dict[tuple[int, int, int, int], list[_Segment]] = {}
+    device = states[0].tensor.device if states else torch.device("cpu")
+    for state, source in zip(states, sources):
+        _check_device(state.tensor, f"state {state.layer or '?'}")
+        _check_device(source, f"checkpoint source of {state.layer or '?'}")
+        _check_contiguous_blocks(state)
+        _check_block_ids(dst_blocks, state, "checkpoint dst_block")
+        _check_block_ids([i for i in initial if i >= 0], state, "checkpoint initial_block")
+        src_kind, dst_kind = _dtype_pair(source, state)
+        base, block, tok, chan, length = _layout(state)
+        size = state.tensor.element_size()
+        if state.kind.is_conv:
+            for k, (end, start) in enumerate(zip(token_end, seq_start)):
+                if not 0 <= start <= end <= source.shape[0]:
+                    raise ValueError(
+                        f"checkpoint {k}: need 0 <= seq_start <= token_end <= {source.shape[0]} "
+                        f"(rows of the conv input of {state.layer or '?'}), got seq_start={start}, "
+                        f"token_end={end}"
+                    )
+            dim = source.shape[1]
+            # source: token-major conv input, any strides (row stride in _SRC_BLOCK)
+            fields = [source.data_ptr(), source.stride(0), 0, source.stride(1), base, block // size,
+                      tok // size, chan // size, length, dim, 0, 0, 0, MODE_WINDOW]
+        else:
+            for k, r in enumerate(temporal_rows):
+                if not 0 <= r < source.shape[0]:
+                    raise IndexError(
+                        f"checkpoint {k}: temporal_row {r} is outside the {source.shape[0]} rows "
+                        f"of the temporal source of {state.layer or '?'}"
+                    )
+            if not source[:1].squeeze(0).is_contiguous():
+                source = source.contiguous()  # rows must be contiguous; vLLM's already are
+            fields = [source.data_ptr(), source.stride(0), 1, 0, base, block // size,
+                      0, 1, 1, math.prod(state.tensor.shape[1:]), 0, 0, 0, MODE_FLAT]
+        key = (source.element_size(), size, src_kind, dst_kind)
+        launches.setdefault(key, []).append(_Segment(fields, items, size, window_tokens=length))
+    for (src_size, dst_size, src_kind, dst_kind), segments in launches.items():
+        win_t = _pow2_at_least(max(s.window_tokens for s in segments))
+        win_c = _pow2_at_most(max(tuning.checkpoint_tile_elems // win_t, 16))
+        flat_block = _pow2_at_most(tuning.checkpoint_tile_elems)
+        columns, programs = [], 0
+        for segment in segments:
+            fields = list(segment.fields)
+            per_tile = win_c if fields[_MODE.value] == MODE_WINDOW else flat_block
+            tiles = max(1, -(-fields[_CHANNELS.value] // per_tile))
+            fields[_ITEM0.value], fields[_TILES.value], fields[_PROG0.value] = 0, tiles, programs
+            programs += tiles * len(items)
+            columns.append(fields)
+        packed = torch.tensor(
+            [value for f in range(_NUM_FIELDS) for value in (col[f] for col in columns)]
+            + [value for column in zip(*items) for value in column],
+            dtype=torch.int64,
+        ).to(device)
+        num_segments = len(columns)
+        _checkpoint_kernel[(programs,)](
+            packed[: _NUM_FIELDS * num_segments], packed[_NUM_FIELDS * num_segments:],
+            num_segments, len(items),
+            SRC_BITS=_BITS[src_size], DST_BITS=_BITS[dst_size], SRC_KIND=src_kind,
+            DST_KIND=dst_kind, SEG_P2=_pow2_at_least(num_segments, 16), WIN_T=win_t, WIN_C=win_c,
+            FLAT_BLOCK=flat_block, num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+        )
+        launch_counts["checkpoint"] += 1
+
+
+# ---- host side: aligned state-index gather ----------------------------------------------------
+
+_TABLE_TYPES = {torch.int64: tl.int64, torch.int32: tl.int32, torch.int16: tl.int16,
+                torch.int8: tl.int8, torch.uint8: tl.uint8}
+
+
+def gather_aligned_state_indices(block_tables: Sequence[torch.Tensor], seq_lens: torch.Tensor,
+                                 block_size: int, num_slots: int, tuning: LaunchTuning) -> torch.Tensor:
+    """``hb_gather_aligned_state_indices``: every group in one launch; int32 output."""
+    tables = list(block_tables)
+    device = tables[0].device
+    if len({t.dtype for t in tables}) > 1:
+        tables = [t.to(torch.int64) for t in tables]
+    for g, table in enumerate(tables):
+        _check_device(table, f"block_tables[{g}]")
+    lens = seq_lens.to(device)
+    num_rows = lens.shape[0]
+    out = torch.empty((len(tables), num_rows, num_slots), dtype=torch.int32, device=device)
+    if num_rows == 0:
+        return out
+    meta = torch.tensor(
+        [[t.data_ptr() for t in tables], [t.shape[1] for t in tables],
+         [t.stride(0) for t in tables], [t.stride(1) for t in tables]],
+        dtype=torch.int64,
+    ).to(device)
+    rows = _pow2_at_most(max(1, tuning.gather_rows))
+    grid = (-(-num_rows // rows), len(tables))
+    _gather_indices_kernel[grid](
+        meta[0], meta[1], meta[2], meta[3], lens, out, num_rows, num_slots, block_size,
+        TABLE_T=_TABLE_TYPES[tables[0].dtype], ROWS=rows, SLOTS=_pow2_at_least(num_slots),
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+    )
+    launch_counts["gather_indices"] += 1
+    return out
+
+
+# ---- vLLM kernel override ---------------------------------------------------------------------
+
+
+def batch_memcpy(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, sizes: torch.Tensor,
+                 tuning: LaunchTuning) -> None:
+    """Overlap-safe replacement for vLLM's ``batch_memcpy_kernel`` (grid dropped).
+
+    Entry ``i`` moves ``sizes[i]`` bytes from address ``src_ptrs[i]`` to ``dst_ptrs[i]`` with
+    memmove semantics: when the two ranges overlap (a conv-window shift inside one block, vLLM
+    #50729), one program moves the entry chunk by chunk in the safe direction, reading each chunk
+    completely before writing it; otherwise several programs share the entry. 8-byte words when
+    both addresses and the size allow it, bytes otherwise. Distinct entries must not overlap each
+    other (vLLM's never do: each writes its own request's new block).
+    """
+    count = src_ptrs.shape[0]
+    if count == 0:
+        return
+    for name, tensor in (("src_ptrs", src_ptrs), ("dst_ptrs", dst_ptrs), ("sizes", sizes)):
+        _check_device(tensor, name)
+    chunk = _pow2_at_most(max(tuning.memcpy_chunk_bytes, 8))
+    _batch_memcpy_kernel[(count, tuning.memcpy_split)](
+        src_ptrs, dst_ptrs, sizes, CHUNK=chunk, SPLIT=tuning.memcpy_split,
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+    )
+    launch_counts["batch_memcpy"] += 1
