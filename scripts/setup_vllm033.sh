@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Optional (`make setup-vllm033`): vLLM 0.33.0's sources, without any dependency, in a separate
+# directory, so scheduler-level tests can put them first on sys.path and check the plugin's
+# pure-Python logic against 0.33 while everything else (torch, transformers...) comes from .venv.
+#
+#   .venv-vllm033/site/vllm/...    the unpacked vllm==0.33.0 wheel (CUDA build: its compiled
+#                                  extensions do not load here; the pure-Python modules, e.g.
+#                                  vllm.v1.core.sched, vllm.v1.core.kv_cache_manager, do)
+#   .venv-vllm033/.stamp           the installed version; a matching stamp makes a rerun a no-op
+#
+# Use:  PYTHONPATH=.venv-vllm033/site .venv/bin/python -c 'import vllm; print(vllm.__version__)'
+# (or insert the path at sys.path[0] in a subprocess).  FORCE=1 reinstalls.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DEST="${VLLM033_DIR:-$ROOT/.venv-vllm033}"
+SITE="$DEST/site"
+VERSION="0.33.0"
+STAMP="$DEST/.stamp"
+PY="$ROOT/.venv/bin/python"
+[[ -x "$PY" ]] || PY="python3"
+
+if [[ "${FORCE:-0}" != "1" && -f "$STAMP" && "$(cat "$STAMP")" == "$VERSION" && -d "$SITE/vllm" ]]; then
+    echo "setup_vllm033: vllm $VERSION already in $SITE"
+    exit 0
+fi
+
+start=$SECONDS
+log() { echo "setup_vllm033 [$((SECONDS - start))s]: $*"; }
+
+mkdir -p "$DEST"
+rm -f "$STAMP"
+wheels="$(mktemp -d "$DEST/.download-XXXXXX")"
+trap 'rm -rf "$wheels" "$SITE.new"' EXIT
+
+log "downloading vllm==$VERSION (wheel only, --no-deps)"
+if ! "$PY" -m pip download --quiet --no-deps --dest "$wheels" "vllm==$VERSION"; then
+    echo "setup_vllm033: 'pip download --no-deps vllm==$VERSION' failed" >&2
+    exit 1
+fi
+wheel="$(ls "$wheels"/vllm-*.whl)"
+log "got $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
+
+log "installing it with --no-deps --target $SITE"
+rm -rf "$SITE.new"
+"$PY" -m pip install --quiet --no-deps --no-compile --target "$SITE.new" "$wheel"
+rm -rf "$SITE"
+mv "$SITE.new" "$SITE"
+
+got="$(cd / && "$PY" - "$SITE" <<'PYEOF'
+import importlib.metadata as md
+import sys
+print(next(md.distributions(path=[sys.argv[1]], name="vllm")).version)
+PYEOF
+)"
+[[ "$got" == "$VERSION" ]] || { echo "setup_vllm033: installed version is '$got'" >&2; exit 1; }
+echo "$VERSION" > "$STAMP"
+log "done: vllm $got in $SITE ($(du -sh "$SITE" | cut -f1)); use PYTHONPATH=$SITE"
