@@ -140,6 +140,7 @@ def test_copy_state_blocks_matches_reference(backend, dtype, conv_kind, rng):
         (StateKind.TEMPORAL, (3, 7, 5), 0),
         (conv_kind, conv_shape(conv_kind, 6, 7), 1),
         (StateKind.TEMPORAL, (2, 129), 1),
+        (StateKind.TEMPORAL, (4, 8), 1),  # 16-byte multiple: the aligned (vector) launch
     ]
     num_blocks = 24
     states = random_states(rng, dtype, specs, num_blocks)
@@ -422,13 +423,14 @@ def test_hooks_run_the_triton_kernels_not_the_reference(backend, interpreted_ker
     assert all(type(k).__name__ == "InterpretedFunction" for k in kernels)
     counts = interpreted_kernels.launch_counts
     before = dict(counts)
-    states = random_states(rng, torch.float32, [(StateKind.CONV_SD, (3, 4), 0), (StateKind.TEMPORAL, (2,), 0)], 8)
+    # 16-byte multiples, as vLLM's pages: every call is a single launch
+    states = random_states(rng, torch.float32, [(StateKind.CONV_SD, (3, 4), 0), (StateKind.TEMPORAL, (4,), 0)], 8)
     table = [torch.tensor([[0, 1, 2, 3]])]
     backend.hb_copy_state_blocks(states, torch.tensor([[0]]), torch.tensor([[5]]))
     backend.hb_precopy_running_states(states, table, torch.tensor([0]), torch.tensor([1]), torch.tensor([1]))
     backend.hb_postprocess_accepted_states(states, table, torch.tensor([1]), torch.tensor([6]),
                                            torch.tensor([3]), 4, torch.tensor([3]))
-    backend.hb_store_checkpoints(states, [torch.zeros(6, 4), torch.zeros(2, 2)],
+    backend.hb_store_checkpoints(states, [torch.zeros(6, 4), torch.zeros(2, 4)],
                                  CheckpointBatch(*(torch.tensor([v]) for v in (4, 0, -1, 6, 1))))
     backend.hb_gather_aligned_state_indices(table, torch.tensor([5]), 4, 1)
     assert counts["state_copy"] - before.get("state_copy", 0) == 3

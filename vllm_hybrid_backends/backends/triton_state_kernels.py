@@ -128,11 +128,16 @@ def _find_segment(table, num_segments, pid, SEG_P2: tl.constexpr):
 
 @triton.jit
 def _state_copy_kernel(
-    table, items, num_segments, num_items,
-    WORD: tl.constexpr, SEG_P2: tl.constexpr, FLAT_BLOCK: tl.constexpr,
+    words, table, items, num_segments, num_items,
+    VEC: tl.constexpr, SEG_P2: tl.constexpr, FLAT_BLOCK: tl.constexpr,
     FLAT_STEPS: tl.constexpr, WIN_T: tl.constexpr, WIN_C: tl.constexpr,
 ):
-    """Block and conv-window copies of every segment; one program per (item, tile)."""
+    """Block and conv-window copies of every segment; one program per (item, tile).
+
+    ``words`` is a tensor of the word dtype; every address is a word offset from it. As a kernel
+    argument it is known to be 16-byte aligned, so with offsets hinted as multiples of ``VEC``
+    words whole-block copies use 16-byte vector loads and stores.
+    """
     pid = tl.program_id(0).to(tl.int64)
     seg = _find_segment(table, num_segments, pid, SEG_P2)
     row = table + seg
@@ -143,32 +148,33 @@ def _state_copy_kernel(
     src_block = tl.load(items + item)
     dst_block = tl.load(items + num_items + item)
     shift = tl.load(items + 2 * num_items + item)
-    # scalar base -> pointer first, then int64 offsets
-    src = tl.load(row + _SRC_BASE * num_segments).to(tl.pointer_type(WORD))
-    src += src_block * tl.load(row + _SRC_BLOCK * num_segments)
-    dst = tl.load(row + _DST_BASE * num_segments).to(tl.pointer_type(WORD))
-    dst += dst_block * tl.load(row + _DST_BLOCK * num_segments)
+    src_at = tl.load(row + _SRC_BASE * num_segments) + src_block * tl.load(row + _SRC_BLOCK * num_segments)
+    dst_at = tl.load(row + _DST_BASE * num_segments) + dst_block * tl.load(row + _DST_BLOCK * num_segments)
     channels = tl.load(row + _CHANNELS * num_segments)
+    # (names differ between the branches: Triton merges a name assigned in both into one type)
     if tl.load(row + _MODE * num_segments) == 0:
-        lanes = tl.arange(0, FLAT_BLOCK).to(tl.int64)
         start = tile * (FLAT_BLOCK * FLAT_STEPS)
+        flat_src = words + tl.multiple_of(src_at + start, VEC)
+        flat_dst = words + tl.multiple_of(dst_at + start, VEC)
+        remaining = tl.multiple_of(channels - start, VEC)
+        lanes = tl.arange(0, FLAT_BLOCK)
         for step in tl.static_range(FLAT_STEPS):
-            offs = start + step * FLAT_BLOCK + lanes
-            keep = offs < channels
-            tl.store(dst + offs, tl.load(src + offs, mask=keep), mask=keep)
+            offs = step * FLAT_BLOCK + lanes
+            in_block = offs < remaining
+            tl.store(flat_dst + offs, tl.load(flat_src + offs, mask=in_block), mask=in_block)
     else:
         tokens = tl.load(row + _TOKENS * num_segments)
         t = tl.arange(0, WIN_T).to(tl.int64)[:, None]
         c = tile * WIN_C + tl.arange(0, WIN_C).to(tl.int64)[None, :]
-        keep = (t < tokens - shift) & (c < channels)
+        in_window = (t < tokens - shift) & (c < channels)
         src_offs = (t + shift) * tl.load(row + _SRC_TOK * num_segments)
         src_offs += c * tl.load(row + _SRC_CHAN * num_segments)
-        window = tl.load(src + src_offs, mask=keep)
+        window = tl.load(words + src_at + src_offs, mask=in_window)
         # the tile holds every token of its channels: once all lanes have loaded, no store can
         # clobber a value another lane still has to read (in-place shifts are memmove-safe)
         tl.debug_barrier()
         dst_offs = t * tl.load(row + _DST_TOK * num_segments) + c * tl.load(row + _DST_CHAN * num_segments)
-        tl.store(dst + dst_offs, window, mask=keep)
+        tl.store(words + dst_at + dst_offs, window, mask=in_window)
 
 
 @triton.jit
@@ -204,12 +210,16 @@ def _convert_bits(bits, SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr):
 
 @triton.jit
 def _checkpoint_kernel(
-    table, items, num_segments, num_items,
-    SRC_BITS: tl.constexpr, DST_BITS: tl.constexpr, SRC_KIND: tl.constexpr,
-    DST_KIND: tl.constexpr, SEG_P2: tl.constexpr, WIN_T: tl.constexpr, WIN_C: tl.constexpr,
+    src_words, dst_words, table, items, num_segments, num_items,
+    SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr, VEC_SRC: tl.constexpr, VEC_DST: tl.constexpr,
+    VEC_MASK: tl.constexpr, SEG_P2: tl.constexpr, WIN_T: tl.constexpr, WIN_C: tl.constexpr,
     FLAT_BLOCK: tl.constexpr,
 ):
-    """Checkpoint stores: conv windows from the token-major input, temporal rows, cast."""
+    """Checkpoint stores: conv windows from the token-major input, temporal rows, cast.
+
+    Addresses are element offsets from ``src_words`` / ``dst_words`` (unsigned tensors of the
+    source's / the state's element size), as in :func:`_state_copy_kernel`.
+    """
     pid = tl.program_id(0).to(tl.int64)
     seg = _find_segment(table, num_segments, pid, SEG_P2)
     row = table + seg
@@ -218,21 +228,26 @@ def _checkpoint_kernel(
     item = tl.load(row + _ITEM0 * num_segments) + local // tiles
     tile = local % tiles
     dst_block = tl.load(items + item)
-    states = tl.load(row + _DST_BASE * num_segments).to(tl.pointer_type(DST_BITS))
+    states_at = tl.load(row + _DST_BASE * num_segments)
     block_stride = tl.load(row + _DST_BLOCK * num_segments)
-    dst = states + dst_block * block_stride
-    src = tl.load(row + _SRC_BASE * num_segments).to(tl.pointer_type(SRC_BITS))
+    dst_at = states_at + dst_block * block_stride
+    src_at = tl.load(row + _SRC_BASE * num_segments)
     channels = tl.load(row + _CHANNELS * num_segments)
     if tl.load(row + _MODE * num_segments) == 0:
         # temporal: row `temporal_row` of the source, contiguous, same trailing shape
+        start = tile * FLAT_BLOCK
         src_row = tl.load(items + 4 * num_items + item)
-        offs = tile * FLAT_BLOCK + tl.arange(0, FLAT_BLOCK).to(tl.int64)
-        keep = offs < channels
-        bits = tl.load(src + src_row * tl.load(row + _SRC_BLOCK * num_segments) + offs, mask=keep)
-        tl.store(dst + offs, _convert_bits(bits, SRC_KIND, DST_KIND), mask=keep)
+        row_at = src_at + src_row * tl.load(row + _SRC_BLOCK * num_segments) + start
+        flat_src = src_words + tl.multiple_of(row_at, VEC_SRC)
+        flat_dst = dst_words + tl.multiple_of(dst_at + start, VEC_DST)
+        remaining = tl.multiple_of(channels - start, VEC_MASK)
+        lanes = tl.arange(0, FLAT_BLOCK)
+        in_block = lanes < remaining
+        bits = tl.load(flat_src + lanes, mask=in_block)
+        tl.store(flat_dst + lanes, _convert_bits(bits, SRC_KIND, DST_KIND), mask=in_block)
     else:
         end = tl.load(items + num_items + item)
-        start = tl.load(items + 2 * num_items + item)
+        begin = tl.load(items + 2 * num_items + item)
         initial = tl.load(items + 3 * num_items + item)
         length = tl.load(row + _TOKENS * num_segments)
         tok = tl.load(row + _DST_TOK * num_segments)
@@ -241,19 +256,19 @@ def _checkpoint_kernel(
         c = tile * WIN_C + tl.arange(0, WIN_C).to(tl.int64)[None, :]
         valid = (t < length) & (c < channels)
         token = end - length + t  # row of the token-major input this position holds
-        from_input = valid & (token >= start)
+        from_input = valid & (token >= begin)
         x_offs = token * tl.load(row + _SRC_BLOCK * num_segments) + c * tl.load(row + _SRC_CHAN * num_segments)
-        x_bits = tl.load(src + x_offs, mask=from_input, other=0)
+        x_bits = tl.load(src_words + src_at + x_offs, mask=from_input, other=0)
         value = _convert_bits(x_bits, SRC_KIND, DST_KIND)
         # positions before the sequence start: the tail of the initial block's window, cast
         # through the input dtype and back as the reference concatenates it; zeros without one
         # (initial >= 0 compared as a tensor: the interpreter mis-types scalar & tensor masks)
-        from_initial = valid & (token < start) & (tl.full(token.shape, 0, tl.int64) + initial >= 0)
-        initial_offs = initial * block_stride + (length + token - start) * tok + c * chan
-        p_bits = tl.load(states + initial_offs, mask=from_initial, other=0)
+        from_initial = valid & (token < begin) & (tl.full(token.shape, 0, tl.int64) + initial >= 0)
+        initial_offs = initial * block_stride + (length + token - begin) * tok + c * chan
+        p_bits = tl.load(dst_words + states_at + initial_offs, mask=from_initial, other=0)
         p_value = _convert_bits(_convert_bits(p_bits, DST_KIND, SRC_KIND), SRC_KIND, DST_KIND)
-        out = tl.where(from_input, value, tl.where(from_initial, p_value, tl.full(value.shape, 0, DST_BITS)))
-        tl.store(dst + t * tok + c * chan, out, mask=valid)
+        out = tl.where(from_input, value, tl.where(from_initial, p_value, tl.full(value.shape, 0, value.dtype)))
+        tl.store(dst_words + dst_at + t * tok + c * chan, out, mask=valid)
 
 
 @triton.jit
@@ -376,7 +391,24 @@ def _widest_word(*byte_values: int) -> int:
     return 1
 
 
-_WORD_TYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
+_WORD_DTYPES = {8: torch.uint64, 4: torch.uint32, 2: torch.uint16, 1: torch.uint8}
+_anchors: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _anchor(device: torch.device, word: int) -> torch.Tensor:
+    """A one-element tensor of ``word``-byte unsigned ints: kernels address memory as offsets
+    from it (a kernel argument is known to be 16-byte aligned, an address loaded from a table
+    is not; see :func:`_state_copy_kernel`)."""
+    key = (str(device), word)
+    if key not in _anchors:
+        _anchors[key] = torch.empty(1, dtype=_WORD_DTYPES[word], device=device)
+    return _anchors[key]
+
+
+def _offset_from(anchor: torch.Tensor, address: int, word: int) -> int:
+    delta = address - anchor.data_ptr()
+    assert delta % word == 0, f"address {address:#x} is not {word}-byte aligned"
+    return delta // word
 
 
 def _as_host_rows(tensor: torch.Tensor) -> list[Any]:
@@ -422,20 +454,66 @@ def _check_unique_destinations(ids: Sequence[int], group: int, what: str) -> Non
 
 @dataclass
 class _Segment:
-    fields: list[int]  # the _NUM_FIELDS values, _ITEM0/_TILES/_PROG0 filled at launch
+    fields: list[int]  # the _NUM_FIELDS values; bases are byte addresses until launch
     items: Sequence[tuple[int, ...]]  # copies: (source, destination, shift); checkpoints: 5 fields
-    word: int
+    word: int  # bytes per element moved (copies); element size of the state (checkpoints)
     window_tokens: int = 0  # L of a window segment (sizes the tile)
+    aligned: bool | None = None  # flat segments: every access 16-byte aligned; windows: None
+
+
+def _aligned16(*byte_values: int) -> bool:
+    return all(v % 16 == 0 for v in byte_values)
+
+
+def _launch_groups(segments: Sequence[_Segment], key: Any) -> dict[tuple[Any, bool], list[_Segment]]:
+    """Segments by ``(key(segment), aligned)``; window segments join the aligned launch when
+    there is one (the alignment hint only applies to flat accesses)."""
+    flat: dict[tuple[Any, bool], list[_Segment]] = {}
+    windows: dict[Any, list[_Segment]] = {}
+    for segment in segments:
+        if not segment.items:
+            continue
+        if segment.aligned is None:
+            windows.setdefault(key(segment), []).append(segment)
+        else:
+            flat.setdefault((key(segment), segment.aligned), []).append(segment)
+    for k, group in windows.items():
+        target = (k, (k, True) in flat or (k, False) not in flat)
+        flat[target] = flat.get(target, []) + group
+    return flat
 
 
 @dataclass
-class _Moves:
-    """Block moves of one state tensor: ``dst[i] <- src[i]``, conv windows shifted by ``shift``."""
+class _MovePlan:
+    """The moves of one group and state kind, shared by all its state tensors and planned once
+    per call: ``dst <- src`` (conv windows shifted left by ``shift`` tokens), split by how each
+    is done. Items are (source, destination, shift); staged items read scratch slot numbers."""
 
-    state: MambaStateTensor
-    src: list[int] = field(default_factory=list)
-    dst: list[int] = field(default_factory=list)
-    shift: list[int] = field(default_factory=list)
+    direct_flat: list[tuple[int, int, int]] = field(default_factory=list)
+    direct_window: list[tuple[int, int, int]] = field(default_factory=list)
+    staged_flat: list[tuple[int, int, int]] = field(default_factory=list)
+    staged_window: list[tuple[int, int, int]] = field(default_factory=list)
+    staging: list[tuple[int, int, int]] = field(default_factory=list)  # (source, slot, 0)
+    lowest: int = 0
+    highest: int = -1
+
+
+def _plan_moves(src: list[int], dst: list[int], shift: list[int]) -> _MovePlan:
+    """Snapshot semantics: a source that another move overwrites is staged first."""
+    plan = _MovePlan()
+    if src:
+        plan.lowest, plan.highest = min(min(src), min(dst)), max(max(src), max(dst))
+    written = set(dst)
+    for s, d, b in zip(src, dst, shift):
+        if s == d and b == 0:
+            continue  # a block onto itself
+        if s in written and s != d:
+            slot = len(plan.staging)
+            plan.staging.append((s, slot, 0))
+            (plan.staged_window if b else plan.staged_flat).append((slot, d, b))
+        else:
+            (plan.direct_window if b else plan.direct_flat).append((s, d, b))
+    return plan
 
 
 def _layout(state: MambaStateTensor) -> tuple[int, int, int, int, int]:
@@ -456,7 +534,8 @@ def _flat_segment(src_base: int, src_block: int, dst_base: int, dst_block: int, 
     word = _widest_word(src_base, src_block, dst_base, dst_block, nbytes)
     fields = [src_base, src_block // word, 0, 1, dst_base, dst_block // word, 0, 1,
               1, nbytes // word, 0, 0, 0, MODE_FLAT]
-    return _Segment(fields, items, word)
+    return _Segment(fields, items, word,
+                    aligned=_aligned16(src_base, src_block, dst_base, dst_block, nbytes))
 
 
 def _window_segment(state: MambaStateTensor, src_base: int, src_block: int, dst_base: int,
@@ -479,29 +558,32 @@ def _window_segment(state: MambaStateTensor, src_base: int, src_block: int, dst_
 
 
 def _launch_copies(segments: list[_Segment], tuning: LaunchTuning, device: torch.device) -> None:
-    """One launch per word size over all segments (usually one launch in all)."""
-    by_word: dict[int, list[_Segment]] = {}
-    for segment in segments:
-        if segment.items:
-            by_word.setdefault(segment.word, []).append(segment)
-    for word in sorted(by_word, reverse=True):
-        group = by_word[word]
+    """One launch per (word size, vector width) over all segments: usually one in all."""
+    groups = _launch_groups(segments, lambda s: s.word)
+    for word, aligned in sorted(groups, reverse=True):
+        group = groups[(word, aligned)]
+        vec = 16 // word if aligned else 1
+        anchor = _anchor(device, word)
         flat_block = _pow2_at_most(max(tuning.flat_step_bytes // word, tuning.lanes_per_warp))
         flat_tile = flat_block * tuning.flat_steps
         win_t = _pow2_at_least(max((s.window_tokens for s in group), default=1))
         win_c = _pow2_at_most(max(tuning.window_tile_bytes // (win_t * word), 16))
         columns: list[list[int]] = []
         items: list[tuple[int, ...]] = []
+        placed: dict[int, int] = {}  # item lists are shared by the states of a group: stored once
         programs = 0
         for segment in group:
             fields = list(segment.fields)
-            if fields[_MODE.value] == MODE_FLAT:
-                tiles = max(1, -(-fields[_CHANNELS.value] // flat_tile))
-            else:
-                tiles = max(1, -(-fields[_CHANNELS.value] // win_c))
-            fields[_ITEM0.value], fields[_TILES.value], fields[_PROG0.value] = len(items), tiles, programs
+            for at in (_SRC_BASE.value, _DST_BASE.value):
+                fields[at] = _offset_from(anchor, fields[at], word)
+            per_tile = flat_tile if fields[_MODE.value] == MODE_FLAT else win_c
+            tiles = max(1, -(-fields[_CHANNELS.value] // per_tile))
+            if id(segment.items) not in placed:
+                placed[id(segment.items)] = len(items)
+                items.extend(segment.items)
+            fields[_ITEM0.value], fields[_TILES.value] = placed[id(segment.items)], tiles
+            fields[_PROG0.value] = programs
             programs += tiles * len(segment.items)
-            items.extend(segment.items)
             columns.append(fields)
         num_segments, num_items = len(columns), len(items)
         packed = torch.tensor(
@@ -511,67 +593,45 @@ def _launch_copies(segments: list[_Segment], tuning: LaunchTuning, device: torch
         ).to(device)
         table, item_table = packed[: _NUM_FIELDS * num_segments], packed[_NUM_FIELDS * num_segments:]
         _state_copy_kernel[(programs,)](
-            table, item_table, num_segments, num_items,
-            WORD=_WORD_TYPES[word], SEG_P2=_pow2_at_least(num_segments, 16),
+            anchor, table, item_table, num_segments, num_items,
+            VEC=vec, SEG_P2=_pow2_at_least(num_segments, 16),
             FLAT_BLOCK=flat_block, FLAT_STEPS=tuning.flat_steps, WIN_T=win_t, WIN_C=win_c,
             num_warps=tuning.num_warps, num_stages=tuning.num_stages,
         )
         launch_counts["state_copy"] += 1
 
 
-def _run_moves(all_moves: list[_Moves], tuning: LaunchTuning) -> None:
-    """Perform every move with snapshot semantics (see the module docstring)."""
-    all_moves = [m for m in all_moves if m.src]
-    if not all_moves:
+def _run_moves(jobs: list[tuple[MambaStateTensor, _MovePlan]], tuning: LaunchTuning) -> None:
+    """Perform every planned move (see :func:`_plan_moves`): the staging launch, if any, then
+    one launch for everything else."""
+    jobs = [(state, plan) for state, plan in jobs if plan.highest >= 0]
+    if not jobs:
         return
-    device = all_moves[0].state.tensor.device
-    staging: list[_Segment] = []
-    main: list[_Segment] = []
-    scratch_parts: list[tuple[_Moves, list[int], int]] = []  # (moves, endangered idx, bytes/block)
-    for moves in all_moves:
-        state = moves.state
+    device = jobs[0][0].tensor.device
+    for state, plan in jobs:
         _check_device(state.tensor, f"state {state.layer or '?'}")
         _check_contiguous_blocks(state)
-        written = set(moves.dst)
-        endangered = [i for i, s in enumerate(moves.src) if s in written and s != moves.dst[i]]
-        if endangered:
-            scratch_parts.append((moves, endangered, -(-_block_bytes(state) // 16) * 16))
-    scratch = None
-    if scratch_parts:
-        total = sum(len(idx) * pitch for _, idx, pitch in scratch_parts)
-        scratch = torch.empty(total, dtype=torch.uint8, device=device)
-    scratch_at: dict[int, tuple[int, int, dict[int, int]]] = {}  # moves -> base, pitch, slots
+        _check_block_ids((plan.lowest, plan.highest), state, "a move")
+    pitches = [-(-_block_bytes(state) // 16) * 16 for state, _ in jobs]
+    total = sum(len(plan.staging) * pitch for (_, plan), pitch in zip(jobs, pitches))
+    scratch = torch.empty(total, dtype=torch.uint8, device=device) if total else None
+    staging: list[_Segment] = []
+    main: list[_Segment] = []
     offset = 0
-    for moves, endangered, pitch in scratch_parts:
-        assert scratch is not None
-        base = scratch.data_ptr() + offset
-        scratch_at[id(moves)] = (base, pitch, {i: slot for slot, i in enumerate(endangered)})
-        base_addr, block, *_ = _layout(moves.state)
-        items = [(moves.src[i], slot, 0) for slot, i in enumerate(endangered)]
-        staging.append(_flat_segment(base_addr, block, base, pitch, _block_bytes(moves.state), items))
-        offset += len(endangered) * pitch
-    for moves in all_moves:
-        state = moves.state
-        base_addr, block, *_ = _layout(state)
+    for (state, plan), pitch in zip(jobs, pitches):
+        base, block, *_ = _layout(state)
         nbytes = _block_bytes(state)
-        staged_base, pitch, slots = scratch_at.get(id(moves), (0, 0, {}))
-        direct_flat: list[tuple[int, int, int]] = []
-        direct_window: list[tuple[int, int, int]] = []
-        staged_flat: list[tuple[int, int, int]] = []
-        staged_window: list[tuple[int, int, int]] = []
-        for i, (s, d, shift) in enumerate(zip(moves.src, moves.dst, moves.shift)):
-            if i in slots:
-                (staged_window if shift else staged_flat).append((slots[i], d, shift))
-            elif s == d and shift == 0:
-                continue  # a block onto itself: nothing to do
-            else:
-                (direct_window if shift else direct_flat).append((s, d, shift))
-        main.append(_flat_segment(base_addr, block, base_addr, block, nbytes, direct_flat))
-        main.append(_flat_segment(staged_base, pitch, base_addr, block, nbytes, staged_flat))
-        if direct_window:
-            main.append(_window_segment(state, base_addr, block, base_addr, direct_window))
-        if staged_window:
-            main.append(_window_segment(state, staged_base, pitch, base_addr, staged_window))
+        main.append(_flat_segment(base, block, base, block, nbytes, plan.direct_flat))
+        if plan.direct_window:
+            main.append(_window_segment(state, base, block, base, plan.direct_window))
+        if plan.staging:
+            assert scratch is not None
+            staged = scratch.data_ptr() + offset
+            offset += len(plan.staging) * pitch
+            staging.append(_flat_segment(base, block, staged, pitch, nbytes, plan.staging))
+            main.append(_flat_segment(staged, pitch, base, block, nbytes, plan.staged_flat))
+            if plan.staged_window:
+                main.append(_window_segment(state, staged, pitch, base, plan.staged_window))
     if staging:
         _launch_copies(staging, tuning, device)
     _launch_copies(main, tuning, device)
@@ -584,46 +644,44 @@ def copy_state_blocks(states: Sequence[MambaStateTensor], src_blocks: torch.Tens
     src_rows, dst_rows = _as_host_rows(src_blocks), _as_host_rows(dst_blocks)
     for group, row in enumerate(dst_rows):
         _check_unique_destinations(row, group, "dst_blocks")
-    all_moves = []
+    plans: dict[int, _MovePlan] = {}
     for state in states:
-        src, dst = src_rows[state.group], dst_rows[state.group]
-        _check_block_ids(src, state, "src_blocks")
-        _check_block_ids(dst, state, "dst_blocks")
-        all_moves.append(_Moves(state, list(src), list(dst), [0] * len(src)))
-    _run_moves(all_moves, tuning)
+        if state.group not in plans:
+            src, dst = src_rows[state.group], dst_rows[state.group]
+            plans[state.group] = _plan_moves(src, dst, [0] * len(src))
+    _run_moves([(state, plans[state.group]) for state in states], tuning)
 
 
 def _shifted_moves(states: Sequence[MambaStateTensor], block_tables: Sequence[torch.Tensor],
                    rows: list[int], src_cols: list[int], dst_cols: list[int],
                    biases: list[int], tuning: LaunchTuning, what: str) -> None:
     """Copy (column ``src``, bias ``b``) -> column ``dst`` for the listed request rows."""
-    tables = [_as_host_rows(table) if table.numel() else [] for table in block_tables]
+    largest = max(biases, default=0)
     for state in states:
-        if state.kind.is_conv:
-            for row, bias in zip(rows, biases):
-                if not 0 <= bias < state.state_len:
-                    raise ValueError(
-                        f"token bias {bias} of request row {row} is outside [0, {state.state_len}) "
-                        f"(conv state_len of layer {state.layer or '?'})"
-                    )
-    dst_by_group: dict[int, list[int]] = {}
-    all_moves = []
+        if state.kind.is_conv and largest >= state.state_len:
+            row, bias = next((r, b) for r, b in zip(rows, biases) if b >= state.state_len)
+            raise ValueError(
+                f"token bias {bias} of request row {row} is outside [0, {state.state_len}) "
+                f"(conv state_len of layer {state.layer or '?'})"
+            )
+    tables: dict[int, list[list[int]]] = {}
+    plans: dict[tuple[int, bool], _MovePlan] = {}
+    jobs = []
     for state in states:
-        table = tables[state.group]
-        dst = [table[r][d] for r, d in zip(rows, dst_cols)]
-        if state.kind.is_conv:
-            src = [table[r][s] for r, s in zip(rows, src_cols)]
-            shift = list(biases)
-        else:
-            src = [table[r][s + b] for r, s, b in zip(rows, src_cols, biases)]
-            shift = [0] * len(rows)
-        _check_block_ids(src, state, f"{what} source")
-        _check_block_ids(dst, state, f"{what} destination")
-        dst_by_group[state.group] = dst
-        all_moves.append(_Moves(state, src, dst, shift))
-    for group, dst in dst_by_group.items():
-        _check_unique_destinations(dst, group, what)
-    _run_moves(all_moves, tuning)
+        key = (state.group, state.kind.is_conv)
+        if key not in plans:
+            if state.group not in tables:
+                tables[state.group] = _as_host_rows(block_tables[state.group])
+            table = tables[state.group]
+            dst = [table[r][d] for r, d in zip(rows, dst_cols)]
+            _check_unique_destinations(dst, state.group, what)
+            if state.kind.is_conv:
+                plans[key] = _plan_moves([table[r][s] for r, s in zip(rows, src_cols)], dst, biases)
+            else:
+                src = [table[r][s + b] for r, s, b in zip(rows, src_cols, biases)]
+                plans[key] = _plan_moves(src, dst, [0] * len(rows))
+        jobs.append((state, plans[key]))
+    _run_moves(jobs, tuning)
 
 
 def precopy_running_states(states: Sequence[MambaStateTensor], block_tables: Sequence[torch.Tensor],
@@ -674,7 +732,6 @@ def postprocess_accepted_states(states: Sequence[MambaStateTensor], block_tables
 # ---- host side: checkpoint store --------------------------------------------------------------
 
 _KINDS = {torch.float32: _K_F32.value, torch.float16: _K_F16.value, torch.bfloat16: _K_BF16.value}
-_BITS = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
 
 
 def _dtype_pair(source: torch.Tensor, state: MambaStateTensor) -> tuple[int, int]:
@@ -711,7 +768,8 @@ def store_checkpoints(states: Sequence[MambaStateTensor], sources: Sequence[torc
             )
     items = [(d, e, s, i, r) for d, e, s, i, r in
              zip(dst_blocks, token_end, seq_start, initial, temporal_rows)]
-    launches: dict[tuple[int, int, int, int], list[_Segment]] = {}
+    segments: list[tuple[tuple[int, int, int, int], _Segment]] = []
+    keep_alive: list[torch.Tensor] = []  # contiguous copies of sources, until the launches ran
     device = states[0].tensor.device if states else torch.device("cpu")
     for state, source in zip(states, sources):
         _check_device(state.tensor, f"state {state.layer or '?'}")
@@ -730,10 +788,10 @@ def store_checkpoints(states: Sequence[MambaStateTensor], sources: Sequence[torc
                         f"(rows of the conv input of {state.layer or '?'}), got seq_start={start}, "
                         f"token_end={end}"
                     )
-            dim = source.shape[1]
-            # source: token-major conv input, any strides (row stride in _SRC_BLOCK)
+            # source: the token-major conv input, any strides (row stride in _SRC_BLOCK)
             fields = [source.data_ptr(), source.stride(0), 0, source.stride(1), base, block // size,
-                      tok // size, chan // size, length, dim, 0, 0, 0, MODE_WINDOW]
+                      tok // size, chan // size, length, source.shape[1], 0, 0, 0, MODE_WINDOW]
+            segment = _Segment(fields, items, size, window_tokens=length)
         else:
             for k, r in enumerate(temporal_rows):
                 if not 0 <= r < source.shape[0]:
@@ -741,19 +799,30 @@ def store_checkpoints(states: Sequence[MambaStateTensor], sources: Sequence[torc
                         f"checkpoint {k}: temporal_row {r} is outside the {source.shape[0]} rows "
                         f"of the temporal source of {state.layer or '?'}"
                     )
-            if not source[:1].squeeze(0).is_contiguous():
+            if not source[0].is_contiguous():
                 source = source.contiguous()  # rows must be contiguous; vLLM's already are
+                keep_alive.append(source)
+            numel = math.prod(state.tensor.shape[1:])
+            src_size = source.element_size()
             fields = [source.data_ptr(), source.stride(0), 1, 0, base, block // size,
-                      0, 1, 1, math.prod(state.tensor.shape[1:]), 0, 0, 0, MODE_FLAT]
-        key = (source.element_size(), size, src_kind, dst_kind)
-        launches.setdefault(key, []).append(_Segment(fields, items, size, window_tokens=length))
-    for (src_size, dst_size, src_kind, dst_kind), segments in launches.items():
-        win_t = _pow2_at_least(max(s.window_tokens for s in segments))
+                      0, 1, 1, numel, 0, 0, 0, MODE_FLAT]
+            aligned = (_aligned16(source.data_ptr(), source.stride(0) * src_size, base, block)
+                       and numel % (16 // min(src_size, size)) == 0)
+            segment = _Segment(fields, items, size, window_tokens=1, aligned=aligned)
+        segments.append(((source.element_size(), size, src_kind, dst_kind), segment))
+    keys = {id(segment): key for key, segment in segments}
+    launches = _launch_groups([segment for _, segment in segments], lambda seg: keys[id(seg)])
+    for ((src_size, dst_size, src_kind, dst_kind), aligned), launch in launches.items():
+        vec_src, vec_dst = (16 // src_size, 16 // dst_size) if aligned else (1, 1)
+        src_anchor, dst_anchor = _anchor(device, src_size), _anchor(device, dst_size)
+        win_t = _pow2_at_least(max(s.window_tokens for s in launch))
         win_c = _pow2_at_most(max(tuning.checkpoint_tile_elems // win_t, 16))
-        flat_block = _pow2_at_most(tuning.checkpoint_tile_elems)
+        flat_block = _pow2_at_most(max(tuning.checkpoint_tile_elems, 16))
         columns, programs = [], 0
-        for segment in segments:
+        for segment in launch:
             fields = list(segment.fields)
+            fields[_SRC_BASE.value] = _offset_from(src_anchor, fields[_SRC_BASE.value], src_size)
+            fields[_DST_BASE.value] = _offset_from(dst_anchor, fields[_DST_BASE.value], dst_size)
             per_tile = win_c if fields[_MODE.value] == MODE_WINDOW else flat_block
             tiles = max(1, -(-fields[_CHANNELS.value] // per_tile))
             fields[_ITEM0.value], fields[_TILES.value], fields[_PROG0.value] = 0, tiles, programs
@@ -766,13 +835,15 @@ def store_checkpoints(states: Sequence[MambaStateTensor], sources: Sequence[torc
         ).to(device)
         num_segments = len(columns)
         _checkpoint_kernel[(programs,)](
-            packed[: _NUM_FIELDS * num_segments], packed[_NUM_FIELDS * num_segments:],
-            num_segments, len(items),
-            SRC_BITS=_BITS[src_size], DST_BITS=_BITS[dst_size], SRC_KIND=src_kind,
-            DST_KIND=dst_kind, SEG_P2=_pow2_at_least(num_segments, 16), WIN_T=win_t, WIN_C=win_c,
-            FLAT_BLOCK=flat_block, num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+            src_anchor, dst_anchor, packed[: _NUM_FIELDS * num_segments],
+            packed[_NUM_FIELDS * num_segments:], num_segments, len(items),
+            SRC_KIND=src_kind, DST_KIND=dst_kind, VEC_SRC=vec_src, VEC_DST=vec_dst,
+            VEC_MASK=max(vec_src, vec_dst), SEG_P2=_pow2_at_least(num_segments, 16),
+            WIN_T=win_t, WIN_C=win_c, FLAT_BLOCK=flat_block,
+            num_warps=tuning.num_warps, num_stages=tuning.num_stages,
         )
         launch_counts["checkpoint"] += 1
+    del keep_alive  # the launches are queued; the caching allocator keeps the memory valid
 
 
 # ---- host side: aligned state-index gather ----------------------------------------------------
