@@ -8,7 +8,9 @@ import types
 import pytest
 
 from vllm_hybrid_backends import align
-from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
+from vllm_hybrid_backends.patches import (
+    patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch,
+)
 from vllm_hybrid_backends.patches import patch_vllm_v1_core_sched_scheduler as scheduler_patch
 
 DEFAULT = align.AlignPolicy()

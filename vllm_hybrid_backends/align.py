@@ -81,7 +81,7 @@ def tail_checkpoints(num_prompt_tokens: int, block_size: int, count: int) -> tup
     ``O(log n)`` extra states.
     """
     last = last_prompt_boundary(num_prompt_tokens, block_size)
-    positions = []
+    positions: list[int] = []
     distance = block_size
     while len(positions) < count and last - distance > 0:
         positions.append(last - distance)
