@@ -8,7 +8,8 @@ move their whole state (every layer's conv and temporal block) from one block to
 the backend's ``hb_copy_state_blocks`` implementation is timed. The ceiling is one contiguous
 ``dst.copy_(src)`` of the same number of bytes on the same device, measured in the same run:
 all state tensors are views into one buffer, and the ceiling copies its first half onto its
-second. ``ratio`` = backend GB/s / ceiling GB/s; medians of ``--repeats`` runs.
+second. ``ratio`` = backend GB/s / ceiling GB/s; medians of ``--repeats`` runs, the backend
+and the ceiling timed alternately.
 
 Per-step volumes (state shapes and dtypes as vLLM allocates them; conv state = conv_kernel - 1
 tokens, no speculative tokens; tensor parallel size 1):
@@ -78,16 +79,21 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize()
 
 
-def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    fn()  # warm-up: first touch of the pages, kernel compilation
+def _median_seconds(runs: list[Callable[[], object]], device: torch.device,
+                    repeats: int) -> list[float]:
+    """Median time of each callable; they run alternately, so a load change on a shared
+    machine affects them alike."""
+    for run in runs:  # warm-up: first touch of the pages, kernel compilation
+        run()
     _sync(device)
-    times = []
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for run, samples in zip(runs, times):
+            start = time.perf_counter()
+            run()
+            _sync(device)
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
 
 
 def _carve(arena: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
@@ -115,10 +121,12 @@ def run_case(copy: Callable[..., object], workload: Workload, batch: int, device
     order = torch.randperm(blocks, generator=generator)
     src, dst = order[:batch].reshape(1, batch), order[batch:].reshape(1, batch)
     moved = workload.bytes_per_request() * batch
-    seconds = _median_seconds(lambda: copy(states=states, src_blocks=src, dst_blocks=dst), device, repeats)
     half = arena.numel() // 2
-    head, tail = arena[: min(moved, half)], arena[half: half + min(moved, half)]
-    ceiling = _median_seconds(lambda: tail.copy_(head), device, repeats)
+    head, tail = arena[:moved], arena[half: half + moved]
+    seconds, ceiling = _median_seconds(
+        [lambda: copy(states=states, src_blocks=src, dst_blocks=dst), lambda: tail.copy_(head)],
+        device, repeats,
+    )
     gbps, ceiling_gbps = moved / seconds / 1e9, moved / ceiling / 1e9
     label = (f"{workload.model} x{batch} requests: {workload.layers} layers x "
              f"(conv {'x'.join(map(str, workload.conv))} {str(workload.conv_dtype)[6:]} + "
