@@ -3,7 +3,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-vllm033 lint test demo
+.PHONY: setup setup-vllm033 lint test demo fuzz
 
 setup:
 	bash scripts/setup_env.sh
@@ -24,3 +24,8 @@ test: setup
 demo: setup
 	$(VENV)/bin/vllm-hybrid-backends doctor
 	$(PY) -m vllm_hybrid_backends.demo
+
+# The replay harness's fuzzer at full strength: >= 10 000 random request streams through vLLM's
+# scheduler, each checked by the state oracle (`make test` runs a few dozen).
+fuzz: setup
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q --timeout=0 tests/replay/test_fuzz.py

@@ -1,4 +1,4 @@
-"""``vllm-hybrid-backends``: the command line (``doctor`` for now)."""
+"""``vllm-hybrid-backends``: the command line (``doctor``, ``replay``)."""
 
 from __future__ import annotations
 
@@ -148,7 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     doctor = commands.add_parser("doctor", help="show vLLM, the platform and the backends")
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    from .replay import cli as replay_cli
+
+    replay_cli.add_parser(commands)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    if args.command == "replay":
+        return replay_cli.run(args, argv[argv.index("replay") + 1:])
 
     if args.command == "doctor":
         report, status = doctor_report()

@@ -1,0 +1,87 @@
+"""``vllm-hybrid-backends replay``: flags, errors, JSON, plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from vllm_hybrid_backends.cli import main
+from vllm_hybrid_backends.replay.harness import ReplayConfig
+from vllm_hybrid_backends.replay.report import PLOT_INSTALL_HINT, plot_capacity_sweep
+from vllm_hybrid_backends.replay.shapes import tiny_shape
+from vllm_hybrid_backends.replay.workloads import Trace, TraceRequest
+
+POLICY_FIELDS = {"token_hit_rate", "bound_hit_rate", "prefill_tokens_computed",
+                 "state_mismatches", "mamba_blocks_peak", "sched_step_us_median", "miss_reasons"}
+
+
+def test_a_malformed_trace_line_fails_with_its_line_number(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"id": "a", "prompt_token_ids": [1, 2], "max_tokens": 2}\n'
+                    '{"id": "b", "prompt_token_ids": "1 2 3", "max_tokens": 2}\n')
+    assert main(["replay", "--trace", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:2: 'prompt_token_ids' must be a non-empty list of token ids" in err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    pytest.param(["--cache-tokens", "0"], "--cache-tokens must be a positive integer, got 0",
+                 id="cache-tokens"),
+    pytest.param(["--block-size", "-4"], "--block-size must be a positive integer, got -4",
+                 id="block-size"),
+    pytest.param(["--cache-tokens", "100"], "--cache-tokens 100 is less than one block (544",
+                 id="below-one-block"),
+])
+def test_bad_sizes_are_rejected(flags, message, capsys):
+    assert main(["replay", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_workload_and_trace_are_exclusive(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["replay", "--workload", "short", "--trace", str(tmp_path / "x.jsonl")])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_replay_json_reports_both_policies(capsys):
+    status = main(["replay", "--workload", "short", "--json"])
+    out = capsys.readouterr().out
+    report = json.loads(out)
+    assert status == 0
+    assert report["workload"] == "short" and report["model_shape"] == "qwen3.5-0.8b"
+    assert report["vllm_version"]
+    assert set(report["policies"]) == {"upstream", "plugin"}
+    for metrics in report["policies"].values():
+        assert POLICY_FIELDS <= set(metrics)
+        assert metrics["state_mismatches"] == 0
+        assert set(metrics["miss_reasons"]) >= {"no_mamba_state_at_boundary", "evicted",
+                                                "prefix_shorter_than_block", "groups_disagreed"}
+
+
+def _tiny_trace() -> Trace:
+    prefix = list(range(100, 148))
+    return Trace("tiny", [TraceRequest(f"r{i}", prefix + [60 + i] * 9, [7, 8], 0.2 * i)
+                          for i in range(4)])
+
+
+def test_plot_writes_hit_rate_against_cache_capacity(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "sweep.png"
+    config = ReplayConfig(shape=tiny_shape(), platform="any", block_size=8, cache_tokens=1024,
+                          max_num_batched_tokens=32)
+    points = plot_capacity_sweep(_tiny_trace(), config, ["upstream", "plugin"], str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [tokens for tokens, _, _ in points] == sorted(tokens for tokens, _, _ in points)
+    assert all(set(rates) == {"upstream", "plugin"} for _, rates, _ in points)
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    config = ReplayConfig(shape=tiny_shape(), platform="any", block_size=8, cache_tokens=1024)
+    with pytest.raises(RuntimeError, match=r"--plot needs matplotlib: pip install "
+                                           r"'vllm-hybrid-backends\[plot\]'"):
+        plot_capacity_sweep(_tiny_trace(), config, ["upstream"], str(tmp_path / "x.png"))
+    assert PLOT_INSTALL_HINT in "pip install 'vllm-hybrid-backends[plot]'"

@@ -1,0 +1,121 @@
+"""``vllm-hybrid-backends replay``: what hit rate a hybrid model gets on a workload, and why not more.
+
+Set ``VLLM_HYBRID_VLLM_PATH`` to a directory of vLLM sources (e.g. vLLM 0.33's pure-Python tree
+from ``make setup-vllm033``: ``.venv-vllm033/site``) to replay against that vLLM instead of the
+installed one: the command re-runs itself in a subprocess with that directory first on
+``PYTHONPATH`` (and ``VLLM_TARGET_DEVICE=cpu`` unless set: the harness needs no device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+VLLM_PATH_ENV = "VLLM_HYBRID_VLLM_PATH"
+_REEXEC_MARK = "VLLM_HYBRID_REPLAY_REEXEC"
+
+
+def add_parser(commands: Any) -> None:
+    from .harness import DEFAULT_CACHE_TOKENS
+    from .shapes import MODEL_SHAPES
+    from .workloads import WORKLOADS
+
+    parser = commands.add_parser(
+        "replay", help="replay a workload through vLLM's scheduler: hit rate and why it misses",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
+                        help="a bundled workload (default: agentic)")
+    source.add_argument("--trace", metavar="PATH",
+                        help="a JSONL or JSONL.gz trace: id, arrival_s, prompt_token_ids, "
+                             "output_token_ids or max_tokens (one request per line)")
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3.5-0.8b",
+                        help="model shape (layer kinds, state and KV sizes from public configs)")
+    parser.add_argument("--block-size", type=int, metavar="N",
+                        help="attention block size; vLLM raises it if a page cannot hold a "
+                             "Mamba state (default: vLLM's derivation with CUDA kernel blocks)")
+    parser.add_argument("--cache-tokens", type=int, metavar="N", default=DEFAULT_CACHE_TOKENS,
+                        help=f"KV cache capacity in tokens (default {DEFAULT_CACHE_TOKENS:,})")
+    parser.add_argument("--policy", choices=("upstream", "plugin", "both"), default="both",
+                        help="upstream = installed vLLM, plugin off; plugin = with the "
+                             "plugin's scheduler-process patches (default: both)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="also write hit rate against cache capacity for each policy")
+
+
+def _reexec_with_vllm_path(argv: list[str]) -> int | None:
+    path = os.environ.get(VLLM_PATH_ENV)
+    if not path or os.environ.get(_REEXEC_MARK):
+        return None
+    if not os.path.isdir(path):
+        print(f"error: {VLLM_PATH_ENV}={path!r} is not a directory", file=sys.stderr)
+        return 2
+    env = dict(os.environ, **{_REEXEC_MARK: "1"})
+    # The harness uses no device; a source tree's (e.g. CUDA-built) platform detection must not
+    # look for one.
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p)
+    return subprocess.call([sys.executable, "-m", "vllm_hybrid_backends.cli", "replay", *argv],
+                           env=env)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    status = _reexec_with_vllm_path(argv)
+    if status is not None:
+        return status
+    # vLLM logs INFO lines to stdout by default; keep stdout for the report.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from .harness import ReplayConfig, ReplayError
+    from .report import compare_policies, plot_capacity_sweep, render_table
+    from .workloads import TraceError, load_trace, make_workload
+
+    for name, value in (("--block-size", args.block_size), ("--cache-tokens", args.cache_tokens)):
+        if value is not None and value <= 0:
+            print(f"error: {name} must be a positive integer, got {value}", file=sys.stderr)
+            return 2
+    policies = ["upstream", "plugin"] if args.policy == "both" else [args.policy]
+    config = ReplayConfig(model_shape=args.model_shape, block_size=args.block_size,
+                          cache_tokens=args.cache_tokens)
+    try:
+        if args.trace:
+            trace = load_trace(args.trace)
+        else:
+            trace = make_workload(args.workload or "agentic", block_size=config.layout().block_size)
+    except (TraceError, ReplayError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    runs = 2 * len(policies)
+    with tqdm(total=runs * len(trace.requests), desc=f"replay {trace.name}", unit="req",
+              file=sys.stderr, disable=None) as bar, contextlib.redirect_stdout(sys.stderr):
+        try:
+            report = compare_policies(trace, config, policies, progress=bar)
+            points = None
+            if args.plot:
+                bar.reset(total=5 * runs * len(trace.requests))
+                bar.set_description(f"replay {trace.name} (plot)")
+                points = plot_capacity_sweep(trace, config, policies, args.plot, progress=bar)
+        except (ReplayError, RuntimeError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if args.json:
+        payload = report.to_json()
+        if points is not None:
+            payload["plot"] = {"path": args.plot, "points": [
+                {"cache_tokens": t, "token_hit_rate": rates, "bound_hit_rate": b}
+                for t, rates, b in points]}
+        print(json.dumps(payload, indent=2))
+    else:
+        print(render_table(report))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    mismatches = sum(m.state_mismatches for m in report.policies.values())
+    return 1 if mismatches else 0

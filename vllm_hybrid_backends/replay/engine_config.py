@@ -1,0 +1,212 @@
+"""Build what vLLM's engine core builds before it creates the ``Scheduler``, without a model.
+
+The steps follow ``EngineCore._initialize_kv_caches`` (vLLM 0.32/0.33): a ``VllmConfig`` from a
+model directory that holds only ``config.json`` (``skip_tokenizer_init``, nothing loaded), one
+``KVCacheSpec`` per layer (what each layer's ``get_kv_cache_spec`` returns, built here from the
+:class:`~.shapes.ModelShape`), vLLM's own grouping (``get_kv_cache_groups``) and block-pool
+sizing (``get_kv_cache_config_from_groups``), then the engine core's block-size resolution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .shapes import ModelShape
+
+__all__ = ["EngineSetup", "KVLayout", "ReplayVersionError", "build_engine_setup",
+           "vllm_config_for"]
+
+class ReplayVersionError(RuntimeError):
+    """The installed vLLM lacks a function the harness needs."""
+
+
+_CONFIG_DIRS: dict[str, Path] = {}
+_VLLM_CONFIGS: dict[tuple, Any] = {}
+
+
+@contextlib.contextmanager
+def _no_general_plugins() -> Iterator[None]:
+    """Keep vLLM from loading general plugins (this plugin included) in this process.
+
+    ``EngineArgs`` loads them once per process; the replay harness applies the plugin's
+    patches itself, per policy, so nothing may be applied behind its back.
+    """
+    previous = os.environ.get("VLLM_PLUGINS")
+    os.environ["VLLM_PLUGINS"] = ""
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_PLUGINS", None)
+        else:
+            os.environ["VLLM_PLUGINS"] = previous
+
+
+def _model_dir(shape: ModelShape) -> Path:
+    """A directory holding just the shape's config.json (made once per process)."""
+    path = _CONFIG_DIRS.get(shape.name)
+    if path is None:
+        path = Path(tempfile.mkdtemp(prefix=f"hb-replay-{shape.name}-"))
+        (path / "config.json").write_text(json.dumps(shape.hf_config, indent=1))
+        _CONFIG_DIRS[shape.name] = path
+    return path
+
+
+def vllm_config_for(shape: ModelShape, *, num_spec_tokens: int = 0) -> Any:
+    """vLLM's config for ``shape`` with prefix caching on (align mode), built once per process.
+
+    The scheduler settings the harness varies are assigned by :func:`build_engine_setup`.
+    """
+    key = (shape.name, num_spec_tokens)
+    if key in _VLLM_CONFIGS:
+        return _VLLM_CONFIGS[key]
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs: dict[str, Any] = dict(
+        model=str(_model_dir(shape)), skip_tokenizer_init=True, enable_prefix_caching=True,
+        enable_chunked_prefill=True, max_model_len=int(shape.hf_config.get(
+            "max_position_embeddings", 32768)), load_format="dummy", enforce_eager=True,
+        async_scheduling=False, dtype=shape.dtype,
+    )
+    if num_spec_tokens:
+        kwargs["speculative_config"] = {
+            "method": "ngram", "num_speculative_tokens": num_spec_tokens,
+            "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+        }
+    with _no_general_plugins():
+        config = EngineArgs(**kwargs).create_engine_config()
+    _VLLM_CONFIGS[key] = config
+    return config
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How the harness lays out the KV cache of one run."""
+
+    block_size: int
+    num_blocks: int
+    #: Mamba page padded to the attention page (``mamba_page_size_padded``).
+    mamba_page_padded: int
+    #: Mamba block size; ``None`` = ``block_size`` (align mode sets them equal).
+    mamba_block_size: int | None = None
+    attention_only: bool = False
+    num_spec_tokens: int = 0
+
+
+@dataclass
+class EngineSetup:
+    """A ready-to-use scheduler configuration."""
+
+    vllm_config: Any
+    kv_cache_config: Any
+    scheduler_block_size: int
+    hash_block_size: int
+    mamba_group_ids: list[int] = field(default_factory=list)
+    attention_group_ids: list[int] = field(default_factory=list)
+    #: Bytes of the block pool (what the workers would allocate for the KV cache).
+    pool_bytes: int = 0
+
+    def group_block_size(self, group_id: int) -> int:
+        return int(self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec.block_size)
+
+
+def _layer_specs(shape: ModelShape, layout: KVLayout) -> dict[str, Any]:
+    import torch
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    specs: dict[str, Any] = {}
+    state = shape.with_spec_tokens(layout.num_spec_tokens).state
+    for index, kind in enumerate(shape.layer_kinds):
+        if kind == "attention":
+            specs[f"model.layers.{index}.self_attn.attn"] = FullAttentionSpec(
+                block_size=layout.block_size, num_kv_heads=shape.num_kv_heads,
+                head_size=shape.head_size, dtype=dtypes[shape.dtype],
+            )
+        elif kind == "mamba" and not layout.attention_only:
+            checkpoint = state.prefill_checkpoint
+            specs[f"model.layers.{index}.mixer"] = MambaSpec(
+                shapes=state.shapes, dtypes=tuple(dtypes[d] for d in state.dtypes),
+                block_size=layout.mamba_block_size or layout.block_size,
+                page_size_padded=layout.mamba_page_padded,
+                mamba_type=MambaAttentionBackendEnum[state.kind], mamba_cache_mode="align",
+                num_speculative_blocks=layout.num_spec_tokens,
+                num_prefill_checkpoint_blocks=1 if checkpoint else 0,
+                prefill_checkpoint_alignment=1 if checkpoint else None,
+            )
+    return specs
+
+
+def _vllm_function(name: str) -> Any:
+    """A KV-cache planning function: in ``kv_cache_planning`` (0.33) or ``kv_cache_utils``."""
+    import importlib
+
+    for module_name in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise ReplayVersionError(f"this vLLM has no {name} (looked in vllm.v1.core."
+                             "kv_cache_planning and kv_cache_utils)")
+
+
+def build_engine_setup(
+    shape: ModelShape, layout: KVLayout, *, max_num_batched_tokens: int, max_num_seqs: int,
+    max_model_len: int, long_prefill_token_threshold: int = 0,
+) -> EngineSetup:
+    """KV-cache config and block sizes for ``shape``, as the engine core would resolve them.
+
+    Mutates and returns the per-process ``VllmConfig`` of the shape (runs are sequential).
+    """
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    config = vllm_config_for(shape, num_spec_tokens=layout.num_spec_tokens)
+    cache = config.cache_config
+    sched = config.scheduler_config
+    cache.block_size = layout.block_size
+    cache.mamba_block_size = layout.mamba_block_size or layout.block_size
+    cache.mamba_page_size_padded = layout.mamba_page_padded
+    cache.num_gpu_blocks_override = layout.num_blocks
+    sched.max_num_batched_tokens = max_num_batched_tokens
+    if getattr(sched, "max_num_scheduled_tokens", None) is not None:
+        sched.max_num_scheduled_tokens = max_num_batched_tokens
+    sched.max_num_seqs = max_num_seqs
+    sched.long_prefill_token_threshold = long_prefill_token_threshold
+    config.model_config.max_model_len = max_model_len
+    if hasattr(cache, "kv_cache_layout") and cache.kv_cache_layout is None:
+        cache.kv_cache_layout = "LBNHC"  # what the engine core resolves for the V1 backends
+
+    specs = _layer_specs(shape, layout)
+    groups = _vllm_function("get_kv_cache_groups")(config, specs)
+    memory = layout.num_blocks * _vllm_function("_pool_bytes_per_block")(config, groups)
+    worker_config = _vllm_function("get_kv_cache_config_from_groups")(config, groups, memory)
+    kv_config = _vllm_function("generate_scheduler_kv_cache_config")([worker_config])
+    assert kv_config.num_blocks == layout.num_blocks, (kv_config.num_blocks, layout.num_blocks)
+    cache.num_gpu_blocks = kv_config.num_blocks
+    cacheable = [g.kv_cache_spec.block_size for g in kv_config.kv_cache_groups
+                 if g.kv_cache_spec.prefix_cacheable]
+    cache.block_size = min(cacheable or [g.kv_cache_spec.block_size
+                                         for g in kv_config.kv_cache_groups])
+    scheduler_block_size, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(
+        kv_config, config)
+    kv_config.hash_block_size = hash_block_size
+    kv_config.cache_hit_alignment_tokens = kv_cache_utils.resolve_cache_hit_alignment_tokens(
+        kv_config, config, scheduler_block_size, hash_block_size)
+    cache.hash_block_size = hash_block_size
+    cache.cache_hit_alignment_tokens = kv_config.cache_hit_alignment_tokens
+    mamba = [i for i, g in enumerate(kv_config.kv_cache_groups)
+             if isinstance(g.kv_cache_spec, MambaSpec)]
+    attention = [i for i in range(len(kv_config.kv_cache_groups)) if i not in mamba]
+    return EngineSetup(config, kv_config, scheduler_block_size, hash_block_size, mamba,
+                       attention, memory)

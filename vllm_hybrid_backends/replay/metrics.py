@@ -1,0 +1,156 @@
+"""Per-policy metrics of a replay, and the miss attribution.
+
+For every request (at its first admission) the tokens a perfect token-granular prefix cache
+would have reused, ``ideal = min(longest prefix shared with any earlier admitted request's
+prompt + output, prompt_len - 1)``, are split into the hit and the reasons for the rest:
+
+- ``prefix_shorter_than_block``: the part of ``ideal`` past its last full hash block (a shared
+  prefix shorter than one block is entirely this);
+- ``evicted``: full blocks the attention-only bound run could not reuse either (its KV was
+  evicted), plus chunks whose Mamba state existed but had been evicted at lookup time;
+- ``no_mamba_state_at_boundary``: chunks the attention-only run reused, where no Mamba group
+  ever held a state at the chunk's end boundary;
+- ``groups_disagreed``: chunks where some Mamba groups held the boundary state and others did
+  not, or the Mamba state was there but the attention blocks before it were not;
+- ``other``: anything left (a chunk every group had at lookup time but the lookup still
+  missed; expected to stay 0).
+
+The hybrid-run chunks are classified when the request's prefix-cache lookup runs (the last
+lookup before admission), against the block pool's state at that moment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .harness import MISS_REASONS, RunResult
+from .oracle import HASH_BASE, HASH_MOD
+from .workloads import Trace
+
+__all__ = ["PolicyMetrics", "ideal_hits", "policy_metrics"]
+
+_GRANULE = 16
+
+
+def _prefix_hashes(tokens: list[int], limit: int) -> list[int]:
+    """Hash of every prefix length 0..limit."""
+    out = [0]
+    h = 0
+    for token in tokens[:limit]:
+        h = (h * HASH_BASE + token + 1) % HASH_MOD
+        out.append(h)
+    return out
+
+
+def ideal_hits(trace: Trace, order: dict[str, int]) -> dict[str, int]:
+    """Token-granular longest shared prefix with any earlier admitted request (see module)."""
+    by_id = {r.id: r for r in trace.requests}
+    seen: dict[int, list[str]] = {}
+    result: dict[str, int] = {}
+    for rid in sorted(order, key=order.__getitem__):
+        request = by_id[rid]
+        prompt = request.prompt_token_ids
+        limit = len(prompt) - 1
+        hashes = _prefix_hashes(prompt, limit)
+        positions = [p for p in range(1, min(_GRANULE, limit + 1))] + list(
+            range(_GRANULE, limit + 1, _GRANULE))
+        lo, hi = 0, len(positions)  # binary search: shared prefixes are prefix-closed
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if hashes[positions[mid]] in seen:
+                lo = mid + 1
+            else:
+                hi = mid
+        best = positions[lo - 1] if lo else 0
+        shared = best
+        for other in seen.get(hashes[best], [])[:8] if best else []:
+            sequence = by_id[other].prompt_token_ids + by_id[other].output_token_ids
+            n = best
+            while n < limit and n < len(sequence) and sequence[n] == prompt[n]:
+                n += 1
+            shared = max(shared, n)
+        result[rid] = shared
+        full = prompt + request.output_token_ids
+        full_hashes = _prefix_hashes(full, len(full))
+        for p in [*range(1, min(_GRANULE, len(full) + 1)),
+                  *range(_GRANULE, len(full) + 1, _GRANULE)]:
+            bucket = seen.setdefault(full_hashes[p], [])
+            if len(bucket) < 8:
+                bucket.append(rid)
+    return result
+
+
+@dataclass
+class PolicyMetrics:
+    """The numbers reported for one policy (``--json`` field names)."""
+
+    token_hit_rate: float
+    bound_hit_rate: float
+    ideal_hit_rate: float
+    prefill_tokens_computed: int
+    scheduler_steps: int
+    mamba_blocks_peak: int
+    mamba_blocks_mean: float
+    evictions_attention: int
+    evictions_mamba: int
+    preemptions: int
+    state_mismatches: int
+    state_checks: int
+    sched_step_us_median: float
+    miss_reasons: dict[str, int]
+    backend: str
+    patches: list[str]
+    blocks_leaked: int
+    wall_s: float
+    mismatch_examples: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in vars(self).items()}
+
+
+def policy_metrics(trace: Trace, hybrid: RunResult, bound: RunResult) -> PolicyMetrics:
+    """Combine a hybrid run and its attention-only bound run into :class:`PolicyMetrics`."""
+    prompt_tokens = trace.num_prompt_tokens
+    order = {rid: rec.admitted_order for rid, rec in hybrid.requests.items()
+             if rec.admitted_order >= 0}
+    ideal = ideal_hits(trace, order)
+    granule = hybrid.hash_block_size
+    reasons = dict.fromkeys(MISS_REASONS, 0)
+    for rid, record in hybrid.requests.items():
+        best = ideal.get(rid, 0)
+        hit = record.hit_tokens + record.external_tokens
+        bound_hit = bound.requests[rid].hit_tokens
+        if hit >= best:
+            continue
+        block_floor = best // granule * granule
+        reasons["prefix_shorter_than_block"] += best - max(block_floor, hit)
+        reasons["evicted"] += max(0, block_floor - max(bound_hit, hit))
+        chunks = dict(record.miss_chunks)
+        covered = sum(chunks.values())
+        expected = max(0, min(bound_hit, block_floor) - hit)
+        if covered != expected:  # the lookup saw a different bound (should not happen)
+            chunks["other"] = chunks.get("other", 0) + expected - covered
+        for reason, tokens in chunks.items():
+            reasons[reason] += tokens
+    return PolicyMetrics(
+        token_hit_rate=sum(r.hit_tokens for r in hybrid.requests.values()) / prompt_tokens,
+        bound_hit_rate=sum(r.hit_tokens for r in bound.requests.values()) / prompt_tokens,
+        ideal_hit_rate=sum(ideal.values()) / prompt_tokens,
+        prefill_tokens_computed=hybrid.prefill_tokens_computed,
+        scheduler_steps=hybrid.steps,
+        mamba_blocks_peak=hybrid.mamba_blocks_peak,
+        mamba_blocks_mean=hybrid.mamba_blocks_mean,
+        evictions_attention=hybrid.evictions_attention,
+        evictions_mamba=hybrid.evictions_mamba,
+        preemptions=hybrid.preemptions,
+        state_mismatches=len(hybrid.mismatches),
+        state_checks=hybrid.state_checks,
+        sched_step_us_median=hybrid.sched_step_us_median,
+        miss_reasons=reasons,
+        backend=hybrid.backend,
+        patches=hybrid.patches,
+        blocks_leaked=hybrid.blocks_leaked,
+        wall_s=hybrid.wall_s,
+        mismatch_examples=[m.describe() for m in hybrid.mismatches[:5]],
+    )

@@ -1,0 +1,152 @@
+"""Run a workload under one or more policies and report it: table, JSON, plot."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..compat import installed_vllm_version
+from .harness import MISS_REASONS, ReplayConfig, run_replay
+from .metrics import PolicyMetrics, policy_metrics
+from .policy import get_policy
+from .workloads import Trace
+
+__all__ = ["PLOT_INSTALL_HINT", "Report", "compare_policies", "plot_capacity_sweep",
+           "render_table"]
+
+PLOT_INSTALL_HINT = "pip install 'vllm-hybrid-backends[plot]'"
+PLOT_CAPACITY_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
+
+
+@dataclass
+class Report:
+    trace: Trace
+    config: ReplayConfig
+    block_size: int
+    num_blocks: int
+    pool_bytes: int
+    policies: dict[str, PolicyMetrics] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        shape = self.config.resolved_shape()
+        return {
+            "vllm_version": installed_vllm_version(),
+            "workload": self.trace.name,
+            "num_requests": len(self.trace.requests),
+            "prompt_tokens": self.trace.num_prompt_tokens,
+            "model_shape": shape.name,
+            "block_size": self.block_size,
+            "cache_tokens": self.config.cache_tokens,
+            "num_blocks": self.num_blocks,
+            "pool_bytes": self.pool_bytes,
+            "platform_rule": self.config.platform,
+            "policies": {name: m.to_json() for name, m in self.policies.items()},
+        }
+
+
+def compare_policies(trace: Trace, config: ReplayConfig, policies: Sequence[str],
+                     progress: Any = None) -> Report:
+    """For each policy: the attention-only bound run, then the hybrid run; combine."""
+    report: Report | None = None
+    for name in policies:
+        policy = get_policy(name)
+        bound = run_replay(trace, config, policy, attention_only=True, progress=progress)
+        hybrid = run_replay(trace, config, policy, progress=progress,
+                            bound_hits={k: r.hit_tokens for k, r in bound.requests.items()})
+        if report is None:
+            report = Report(trace, config, hybrid.block_size, hybrid.num_blocks,
+                            hybrid.pool_bytes)
+        report.policies[name] = policy_metrics(trace, hybrid, bound)
+    assert report is not None, "no policy given"
+    return report
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def render_table(report: Report) -> str:
+    """The comparison table ``replay`` prints."""
+    shape = report.config.resolved_shape()
+    trace = report.trace
+    names = list(report.policies)
+    m = report.policies
+    width = max(12, *(len(n) + 2 for n in names))
+    lines = [
+        f"workload {trace.name}: {len(trace.requests)} requests, "
+        f"{trace.num_prompt_tokens:,} prompt tokens",
+        f"model shape {shape.name} ({shape.num_attention_layers} attention + "
+        f"{shape.num_mamba_layers} {shape.state.kind} layers), block {report.block_size} tokens "
+        f"({report.config.platform} rule), cache {report.config.cache_tokens:,} tokens = "
+        f"{report.num_blocks - 1} blocks ({report.pool_bytes / 2**30:.2f} GiB)",
+        f"vLLM {installed_vllm_version()}, state backend {m[names[0]].backend}",
+        "",
+        f"{'':34}" + "".join(f"{n:>{width}}" for n in names),
+    ]
+
+    def row(label: str, values: Sequence[str]) -> None:
+        lines.append(f"{label:34}" + "".join(f"{v:>{width}}" for v in values))
+
+    row("token hit rate", [_pct(m[n].token_hit_rate) for n in names])
+    row("attention-only bound", [_pct(m[n].bound_hit_rate) for n in names])
+    row("ideal (token-granular, unbounded)", [_pct(m[n].ideal_hit_rate) for n in names])
+    row("prefill tokens computed", [f"{m[n].prefill_tokens_computed:,}" for n in names])
+    row("scheduler steps", [f"{m[n].scheduler_steps:,}" for n in names])
+    row("Mamba state blocks peak / mean",
+        [f"{m[n].mamba_blocks_peak} / {m[n].mamba_blocks_mean:.1f}" for n in names])
+    row("evictions attention / Mamba",
+        [f"{m[n].evictions_attention} / {m[n].evictions_mamba}" for n in names])
+    row("preemptions", [str(m[n].preemptions) for n in names])
+    row("state mismatches (checks)",
+        [f"{m[n].state_mismatches} ({m[n].state_checks:,})" for n in names])
+    row("median scheduler step (us)", [f"{m[n].sched_step_us_median:.0f}" for n in names])
+    lines.append("missed reusable prompt tokens, by reason:")
+    for reason in MISS_REASONS:
+        row(f"  {reason.replace('_', ' ')}", [f"{m[n].miss_reasons[reason]:,}" for n in names])
+    for n in names:
+        if m[n].patches:
+            lines.append(f"{n}: patches applied: {', '.join(m[n].patches)}")
+        for example in m[n].mismatch_examples:
+            lines.append(f"{n}: MISMATCH {example}")
+    return "\n".join(lines)
+
+
+def plot_capacity_sweep(trace: Trace, config: ReplayConfig, policies: Sequence[str], path: str,
+                        progress: Any = None) -> list[tuple[int, dict[str, float], float]]:
+    """Token hit rate against cache capacity for each policy, written as a PNG.
+
+    Re-runs the workload at :data:`PLOT_CAPACITY_FACTORS` times ``config.cache_tokens``.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError(f"--plot needs matplotlib: {PLOT_INSTALL_HINT}") from None
+    block = config.layout().block_size
+    points: list[tuple[int, dict[str, float], float]] = []
+    for factor in PLOT_CAPACITY_FACTORS:
+        tokens = max(block, int(config.cache_tokens * factor) // block * block)
+        report = compare_policies(trace, replace(config, cache_tokens=tokens), policies,
+                                  progress)
+        first = next(iter(report.policies.values()))
+        points.append((tokens, {n: p.token_hit_rate for n, p in report.policies.items()},
+                       first.bound_hit_rate))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    xs = [p[0] for p in points]
+    for name in policies:
+        ax.plot(xs, [100 * p[1][name] for p in points], marker="o", label=name)
+    ax.plot(xs, [100 * p[2] for p in points], linestyle="--", color="gray",
+            label="attention-only bound")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV cache capacity (tokens)")
+    ax.set_ylabel("token hit rate (%)")
+    ax.set_title(f"{trace.name} on {config.resolved_shape().name}, block {block}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return points
