@@ -125,3 +125,26 @@ def test_coordinator_patch_adds_boundaries_only_while_caching_a_request():
     finally:
         coordinator_patch.revert()
     assert module.replay_boundaries is original
+
+
+def test_suffix_eviction_order_forgets_the_prefix_from_its_end_across_groups():
+    attention = (16, ["a0", "a1", "a2", "a3"])  # ends 16, 32, 48, 64
+    mamba = (32, ["m0", "m1"])  # ends 32, 64
+    assert align.suffix_eviction_order([attention, mamba]) == ["a3", "m1", "a2", "a1", "m0", "a0"]
+    assert align.suffix_eviction_order([mamba, attention]) == ["m1", "a3", "a2", "m0", "a1", "a0"]
+    assert align.suffix_eviction_order([(16, []), mamba]) == ["m1", "m0"]
+
+
+def test_coordinator_free_hands_the_pool_one_suffix_ordered_list(monkeypatch):
+    freed = []
+    managers = [types.SimpleNamespace(block_size=16, pop_blocks_for_free=lambda rid: ["a0", "a1"]),
+                types.SimpleNamespace(block_size=32, pop_blocks_for_free=lambda rid: ["m0"])]
+    coordinator = types.SimpleNamespace(single_type_managers=managers,
+                                        block_pool=types.SimpleNamespace(free_blocks=freed.append))
+    coordinator_patch.free(coordinator, "req-1")
+    assert freed == [["a1", "m0", "a0"]]
+    monkeypatch.setenv(align.SUFFIX_EVICTION_ENV, "0")
+    monkeypatch.setitem(coordinator_patch._ORIGINALS, "KVCacheCoordinator.free",
+                        lambda self, rid: freed.append(("vllm", rid)))
+    coordinator_patch.free(coordinator, "req-2")
+    assert freed[-1] == ("vllm", "req-2")

@@ -12,6 +12,11 @@ Settings (read once per call from the environment, so a process can switch them)
 - ``VLLM_HYBRID_DECODE_CHECKPOINTS`` (default 1): keep the Mamba state at every block boundary
   crossed while decoding, so the next turn of a conversation (prompt + output + new message)
   hits past the output (vLLM #50551).
+- ``VLLM_HYBRID_SUFFIX_EVICTION`` (default 1): free a finished request's blocks so the cache
+  forgets its prefix from the end, all groups together (attention blocks past a Mamba state
+  cannot be hit without it, and a state cannot be hit without the attention blocks before it).
+  vLLM frees group by group, so every attention block of a request is evicted before any of
+  its Mamba states: kept snapshots then push attention prefixes out of the cache.
 - ``VLLM_HYBRID_MAMBA_GRID`` (default 1): when the scheduler's block size is smaller than the
   Mamba block size, floor non-final chunk ends to the Mamba grid, so a state is never cached
   under the wrong boundary (vLLM #54076).
@@ -20,11 +25,16 @@ Settings (read once per call from the environment, so a process can switch them)
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 TAIL_CHECKPOINTS_ENV = "VLLM_HYBRID_TAIL_CHECKPOINTS"
 DECODE_CHECKPOINTS_ENV = "VLLM_HYBRID_DECODE_CHECKPOINTS"
 MAMBA_GRID_ENV = "VLLM_HYBRID_MAMBA_GRID"
+SUFFIX_EVICTION_ENV = "VLLM_HYBRID_SUFFIX_EVICTION"
 DEFAULT_TAIL_CHECKPOINTS = 4
 
 
@@ -35,6 +45,7 @@ class AlignPolicy:
     tail_checkpoints: int = DEFAULT_TAIL_CHECKPOINTS
     decode_checkpoints: bool = True
     mamba_grid: bool = True
+    suffix_eviction: bool = True
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -65,6 +76,7 @@ def current_policy() -> AlignPolicy:
         tail_checkpoints=tail,
         decode_checkpoints=_flag(DECODE_CHECKPOINTS_ENV, True),
         mamba_grid=_flag(MAMBA_GRID_ENV, True),
+        suffix_eviction=_flag(SUFFIX_EVICTION_ENV, True),
     )
 
 
@@ -135,3 +147,17 @@ def chunk_end(
         if floored > start:
             end = floored
     return end
+
+
+def suffix_eviction_order(groups: Sequence[tuple[int, Sequence[T]]]) -> list[T]:
+    """A request's blocks of every group, in the order the cache should evict them.
+
+    ``groups`` holds, per KV-cache group, its block size and its blocks in position order
+    (block ``i`` covers tokens ``[i * size, (i + 1) * size)``). Blocks that end later go first;
+    at equal ends the groups keep their given order, each group's blocks stay tail first.
+    """
+    keyed = [((index + 1) * size, group, block)
+             for group, (size, blocks) in enumerate(groups)
+             for index, block in enumerate(blocks)]
+    keyed.sort(key=lambda item: (-item[0], item[1]))
+    return [block for _, _, block in keyed]

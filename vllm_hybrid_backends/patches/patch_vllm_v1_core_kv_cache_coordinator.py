@@ -1,15 +1,21 @@
-"""Keep the Mamba states at the plugin's checkpoints and at decode boundaries.
+"""Keep the Mamba states at the plugin's checkpoints and at decode boundaries, and evict a
+finished request's cached prefix from its end, all groups together.
 
-- Targets: ``vllm.v1.core.kv_cache_coordinator.replay_boundaries`` and
-  ``KVCacheCoordinator.cache_blocks``.
+- Targets: ``vllm.v1.core.kv_cache_coordinator.replay_boundaries``,
+  ``KVCacheCoordinator.cache_blocks`` and ``KVCacheCoordinator.free``.
 - Why: with the default ``prefix_cache_retention_interval=0`` vLLM hashes (keeps) a Mamba state
   only at the prompt's replay boundary and a shared-prefix junction; every other state is freed
   unhashed, so the tail checkpoints the scheduler patch stops at, and the states crossed while
   decoding, could never be hit. The decode-end state is what the next conversation turn needs.
+  ``free`` hands each group's blocks to the pool group after group, attention first, so all of a
+  request's attention blocks are evicted before any of its Mamba states: kept snapshots then
+  outlive the attention prefix they need and push other prefixes out.
 - How: ``cache_blocks`` records the request it is caching for (a context variable) and delegates
   to the original; the wrapped ``replay_boundaries`` returns vLLM's positions plus
   :func:`vllm_hybrid_backends.align.retained_boundaries` for that request. Only the masks of
   sparse Mamba retention read these positions; attention groups cache every block anyway.
+  ``free`` pops every group's blocks (``pop_blocks_for_free``, so subclasses keep their
+  bookkeeping) and frees them in :func:`vllm_hybrid_backends.align.suffix_eviction_order`.
 - Upstream: vLLM #50551 (decode-end states for conversation reuse, open); retention semantics in
   ``vllm_map.md`` §4(d).
 - vLLM versions: 0.32.x, 0.33.x (same signatures).
@@ -25,7 +31,7 @@ from typing import Any
 from .. import align
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_coordinator"
-TARGET_SYMBOLS = ("replay_boundaries", "KVCacheCoordinator.cache_blocks")
+TARGET_SYMBOLS = ("replay_boundaries", "KVCacheCoordinator.cache_blocks", "KVCacheCoordinator.free")
 PROCESS = "engine"
 
 _ORIGINALS: dict[str, Any] = {}
@@ -44,8 +50,10 @@ def missing() -> list[str]:
     problems = []
     if not callable(getattr(module, "replay_boundaries", None)):
         problems.append("replay_boundaries")
-    if not callable(getattr(getattr(module, "KVCacheCoordinator", None), "cache_blocks", None)):
-        problems.append("KVCacheCoordinator.cache_blocks")
+    coordinator = getattr(module, "KVCacheCoordinator", None)
+    for name in ("cache_blocks", "free", "pop_blocks_for_free"):
+        if not callable(getattr(coordinator, name, None)):
+            problems.append(f"KVCacheCoordinator.{name}")
     return problems
 
 
@@ -67,6 +75,15 @@ def cache_blocks(self: Any, request: Any, num_computed_tokens: int) -> None:
         _caching_for.reset(token)
 
 
+def free(self: Any, request_id: str) -> None:
+    if not align.current_policy().suffix_eviction:
+        _ORIGINALS["KVCacheCoordinator.free"](self, request_id)
+        return
+    groups = [(manager.block_size, manager.pop_blocks_for_free(request_id))
+              for manager in self.single_type_managers]
+    self.block_pool.free_blocks(align.suffix_eviction_order(groups))
+
+
 def apply() -> None:
     module = _module()
     if module.replay_boundaries is not replay_boundaries:
@@ -75,6 +92,9 @@ def apply() -> None:
     if module.KVCacheCoordinator.cache_blocks is not cache_blocks:
         _ORIGINALS["KVCacheCoordinator.cache_blocks"] = module.KVCacheCoordinator.cache_blocks
         module.KVCacheCoordinator.cache_blocks = cache_blocks
+    if module.KVCacheCoordinator.free is not free:
+        _ORIGINALS["KVCacheCoordinator.free"] = module.KVCacheCoordinator.free
+        module.KVCacheCoordinator.free = free
 
 
 def revert() -> None:
@@ -83,3 +103,5 @@ def revert() -> None:
         module.replay_boundaries = _ORIGINALS.pop("replay_boundaries")
     if "KVCacheCoordinator.cache_blocks" in _ORIGINALS:
         module.KVCacheCoordinator.cache_blocks = _ORIGINALS.pop("KVCacheCoordinator.cache_blocks")
+    if "KVCacheCoordinator.free" in _ORIGINALS:
+        module.KVCacheCoordinator.free = _ORIGINALS.pop("KVCacheCoordinator.free")
