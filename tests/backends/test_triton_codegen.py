@@ -30,7 +30,7 @@ def _compile(kernel, signature, constexprs, target, aligned_args=()):
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     attrs = {(i,): ALIGNED for i in aligned_args}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
-                              target=target, options={"num_warps": 4, "num_stages": 1})
+                              target=target, options={"num_warps": 4, "num_stages": 1, "enable_fp_fusion": False})
     if target.backend == "cuda":
         found = re.findall(r"\n\s+(?:@%p\d+ )?((?:ld|st)\.global[\w.]*)", compiled.asm["ptx"])
     else:
