@@ -11,8 +11,11 @@ How the work is laid out (the same for every hook):
   block, token shift). One launch then covers every layer and every group of the step: program
   ``p`` finds its segment by comparing ``p`` with the segments' first program ids (one vector
   load), then its item and its tile inside the item.
-- Addresses are int64 values; a kernel casts the scalar base to a pointer once and adds int64
-  offsets (never a vector of integers cast to pointers).
+- Addresses are int64. The copy and checkpoint kernels address memory as offsets from a tensor
+  argument (an *anchor*): a kernel argument is known to be 16-byte aligned, so offsets hinted as
+  multiples of 16 bytes give 16-byte vector loads and stores. The gather and ``batch_memcpy``
+  kernels cast one scalar address to a pointer, then add offsets (never a vector of integers
+  cast to pointers).
 - Copies move raw bits as integer words, the widest of 8/4/2/1 bytes that the addresses, strides
   and sizes allow, so fp32/fp16/bf16 states are copied bit for bit. Only the checkpoint store
   converts dtypes, with torch's rounding (round-to-nearest-even, done in integer arithmetic so the
@@ -25,9 +28,9 @@ How the work is laid out (the same for every hook):
     program per channel tile that loads the whole window, waits at a barrier, then stores:
     reads and writes of different programs never touch the same bytes (vLLM #50729 was a race
     between overlapping same-block copies).
-- Inputs arrive as host integer tensors on every vLLM path that reaches these hooks; index
-  tensors that live on the device are read back once per call (that read is what snapshot
-  semantics forces: which blocks are both sources and destinations decides the staging).
+- Block ids and counts are read on the host once per call. The V1 copy patch passes host
+  tensors; a device-resident index tensor costs one host sync per call, which snapshot semantics
+  forces (which blocks are both read and written decides the staging and its buffer size).
 
 ``TRITON_INTERPRET=1`` set before this module is imported makes the kernels run on CPU tensors
 (the parity tests do this); without it they need CUDA/HIP tensors.
@@ -75,7 +78,9 @@ class LaunchTuning:
 
 _NEVER = tl.constexpr(2**62)  # first-program id of a padding segment: never <= a program id
 
-# fields of a copy segment (table is field-major: field f of segment s at f * S + s)
+# fields of a segment (table is field-major: field f of segment s at f * S + s); strides are in
+# elements of the kernel's word; the checkpoint kernel reads _SRC_BLOCK / _SRC_CHAN as the row /
+# channel stride of its source
 _SRC_BASE = tl.constexpr(0)
 _SRC_BLOCK = tl.constexpr(1)
 _SRC_TOK = tl.constexpr(2)
