@@ -30,9 +30,7 @@ def test_doctor_json_reports_every_backend(fresh_plugins, capsys):
     assert list(backends) == ["cpu", "cuda", "rocm", "ascend"]
     for name in ("cuda", "rocm", "ascend"):
         assert backends[name]["available"] is False and backends[name]["reason"]
-    for name in ("cuda", "rocm"):
-        assert backends[name]["hooks"]["hb_copy_state_blocks"] == "cpu"
-    assert set(backends["ascend"]["hooks"].values()) == {"ascend"}  # none delegated
+        assert set(backends[name]["hooks"].values()) == {name}  # every hook its own, none delegated
 
 
 def test_doctor_rejects_a_bogus_backend_naming_the_allowed_values(fresh_plugins, capsys, monkeypatch):
@@ -52,9 +50,31 @@ def test_doctor_explains_an_unavailable_backend(fresh_plugins, capsys, monkeypat
 
 
 def test_doctor_human_output_lists_delegation(fresh_plugins, capsys):
-    status, out, _ = run_doctor(capsys)
+    from vllm_hybrid_backends import hookimpl
+    from vllm_hybrid_backends.types import Availability, BackendIdentity, DeviceKind
+
+    class Partial:
+        @hookimpl
+        def hb_backend_identity(self):
+            return BackendIdentity("partial", DeviceKind.CUDA, priority=1)
+
+        @hookimpl
+        def hb_backend_probe(self):
+            return Availability(False, "test backend")
+
+        @hookimpl
+        def hb_copy_state_blocks(self, states, src_blocks, dst_blocks):
+            raise AssertionError("not called by doctor")
+
+    fresh_plugins.register_backend(Partial())
+    try:
+        status, out, _ = run_doctor(capsys)
+    finally:
+        fresh_plugins.unregister_backend("partial")
     assert status == 0
-    assert "delegated to cpu: hb_copy_state_blocks" in out
+    section = out.split("partial", 1)[1]
+    assert "own hooks: hb_copy_state_blocks" in section
+    assert "delegated to cpu: hb_precopy_running_states" in section
 
 
 @pytest.mark.parametrize(

@@ -62,11 +62,17 @@ def test_builtin_backends_are_registered_with_reasons(fresh_plugins):
         assert statuses[name].availability.reason
 
 
-def test_device_backends_report_delegated_hooks(fresh_plugins):
+def test_builtin_backends_implement_every_hook_themselves(fresh_plugins):
     statuses = {s.name: s for s in fresh_plugins.backend_statuses()}
-    assert set(statuses["cpu"].hooks.values()) == {"cpu"}
-    assert statuses["cuda"].hooks["hb_copy_state_blocks"] == "cpu"
-    assert statuses["cuda"].hooks["hb_kernel_overrides"] == "none"
+    for name in ("cpu", "cuda", "rocm", "ascend"):
+        assert set(statuses[name].hooks.values()) == {name}, statuses[name].hooks
+
+
+def test_a_backend_without_kernel_overrides_reports_none(registered, fresh_plugins):
+    registered(make_backend("bare", priority=-1))
+    status = {s.name: s for s in fresh_plugins.backend_statuses()}["bare"]
+    assert status.hooks["hb_kernel_overrides"] == "none"
+    assert status.hooks["hb_store_checkpoints"] == "cpu"
 
 
 def test_auto_selects_cpu_here(fresh_plugins):
