@@ -288,3 +288,14 @@ def test_gather_aligned_state_indices_by_hand(fresh_plugins):
 def test_gather_aligned_state_indices_rejects_mismatched_rows(fresh_plugins):
     with pytest.raises(ValueError, match="has 1 rows but seq_lens has 2"):
         fresh_plugins.gather_aligned_state_indices([_table([1, 2])], ids(1, 2), 4)
+
+
+def test_store_checkpoints_reads_initial_blocks_before_writing(fresh_plugins):
+    # checkpoint 0 writes block 1; checkpoint 1 starts its window from block 1's *old* state
+    conv = numbered((3, 3, 2)) + 10
+    before = conv.clone()
+    x = numbered((4, 2)) + 100
+    batch = _checkpoints([2, 3], [0, 2], [-1, 1], [1, 2], [0, 0])
+    fresh_plugins.store_checkpoints([MambaStateTensor(conv, StateKind.CONV_SD)], [x], batch)
+    assert torch.equal(conv[1], torch.cat([torch.zeros(1, 2), x[0:2]]))
+    assert torch.equal(conv[2], torch.cat([before[1][1:], x[2:3]]))

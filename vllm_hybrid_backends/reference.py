@@ -152,10 +152,11 @@ def store_checkpoints(
     initial = checkpoints.initial_block.tolist()
     dst_blocks = checkpoints.dst_block.tolist()
     temporal_rows = checkpoints.temporal_row.tolist()
+    staged: list[tuple[MambaStateTensor, int, torch.Tensor]] = []  # read everything, then write
     for state, source in zip(states, sources):
         for k, dst in enumerate(dst_blocks):
             if not state.kind.is_conv:
-                state.tensor[dst].copy_(source[temporal_rows[k]])
+                staged.append((state, dst, source[temporal_rows[k]]))
                 continue
             length = state.state_len
             end, start = token_end[k], seq_start[k]
@@ -170,8 +171,12 @@ def store_checkpoints(
                 else:
                     prefix = from_input.new_zeros((missing, from_input.shape[1]))
                 from_input = torch.cat([prefix, from_input], dim=0)
+            else:
+                from_input = from_input.clone()
             window = from_input if state.kind is StateKind.CONV_SD else from_input.transpose(0, 1)
-            state.tensor[dst].copy_(window)
+            staged.append((state, dst, window))
+    for state, dst, value in staged:
+        state.tensor[dst].copy_(value)
 
 
 def gather_aligned_state_indices(

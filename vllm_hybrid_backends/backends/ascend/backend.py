@@ -157,8 +157,8 @@ def plan_conv_windows(checkpoints: dict[str, np.ndarray], length: int, num_token
     """The conv window each destination block ends up with, as ``length`` row sources
     ``(kind, a, row)``: ZERO, INPUT row ``a``, or row ``row`` of block ``a``'s *original* window.
 
-    Checkpoints are applied in order, like the reference: a window whose prefix comes from a
-    block written earlier in the batch takes that block's new rows.
+    Every window reads the state as it was before the call (snapshot semantics, like the
+    reference): a prefix from a block another checkpoint of the batch writes takes its old rows.
     """
     windows: dict[int, list[tuple[int, int, int]]] = {}
     for end, start, initial, dst in zip(checkpoints["token_end"], checkpoints["seq_start"],
@@ -172,9 +172,7 @@ def plan_conv_windows(checkpoints: dict[str, np.ndarray], length: int, num_token
         missing = length - from_input
         rows: list[tuple[int, int, int]] = []
         if missing and initial >= 0:
-            earlier = windows.get(initial)
-            rows = (earlier[length - missing:] if earlier is not None
-                    else [(STATE, initial, r) for r in range(length - missing, length)])
+            rows = [(STATE, initial, r) for r in range(length - missing, length)]
         elif missing:
             rows = [(ZERO, 0, 0)] * missing
         windows[dst] = rows + [(INPUT, first + i, 0) for i in range(from_input)]
