@@ -24,8 +24,10 @@ layer_utils = pytest.importorskip("vllm.model_executor.layers.mamba.mamba_utils"
 @pytest.fixture
 def v1_copy_patch(monkeypatch):
     """Apply the V1 copy patch for one test, restoring vLLM's module afterwards."""
-    for name in copy_patch.TARGET_SYMBOLS:
-        monkeypatch.setattr(mamba_utils, name, getattr(mamba_utils, name))
+    for name in copy_patch.TARGET_SYMBOLS:  # "function" or "Class.method"
+        owner, _, attr = name.rpartition(".")
+        host = getattr(mamba_utils, owner) if owner else mamba_utils
+        monkeypatch.setattr(host, attr, vars(host)[attr])
     copy_patch._ORIGINALS.clear()
     copy_patch._state_cache.clear()
     copy_patch.apply()

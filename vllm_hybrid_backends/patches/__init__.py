@@ -20,6 +20,9 @@ from ..trace import trace_event
 PATCH_MODULES = (
     "vllm_hybrid_backends.patches.patch_vllm_platforms",
     "vllm_hybrid_backends.patches.patch_vllm_v1_worker_mamba_utils",
+    "vllm_hybrid_backends.patches.patch_vllm_model_executor_layers_mamba_ops_ssd_combined",
+    "vllm_hybrid_backends.patches.patch_vllm_model_executor_layers_mamba_mamba_mixer2",
+    "vllm_hybrid_backends.patches.patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention",
     "vllm_hybrid_backends.patches.patch_vllm_ascend_worker_worker",
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_sched_scheduler",
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_kv_cache_coordinator",
