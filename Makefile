@@ -3,7 +3,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-vllm033 lint test demo fuzz
+.PHONY: setup setup-vllm033 lint test test-vllm033 demo fuzz bench docs
 
 setup:
 	bash scripts/setup_env.sh
@@ -21,9 +21,23 @@ test: setup
 	$(MAKE) lint
 	$(PY) -m pytest -q
 
+# The harness and the plugin's scheduling patches against vLLM 0.33.0's sources.
+test-vllm033: setup-vllm033
+	$(PY) -m pytest -q tests/replay/test_vllm033.py
+
+# The main job: which backend runs here, then the agentic workload through vLLM's real scheduler,
+# upstream vs plugin. `python -m vllm_hybrid_backends.demo` runs the real vLLM-CPU engine instead.
 demo: setup
 	$(VENV)/bin/vllm-hybrid-backends doctor
-	$(PY) -m vllm_hybrid_backends.demo
+	$(VENV)/bin/vllm-hybrid-backends replay
+
+# State-copy throughput of the available backends against this device's copy ceiling.
+bench: setup
+	$(PY) bench/kernels.py
+
+# Regenerate docs/hooks.md and docs/patches.md from the docstrings.
+docs: setup
+	$(PY) -m vllm_hybrid_backends.docs
 
 # The replay harness's fuzzer at full strength: >= 10 000 random request streams through vLLM's
 # scheduler, each checked by the state oracle (`make test` runs a few dozen).
