@@ -3,9 +3,9 @@
 Each example is one stream (a handful of requests sharing prefixes, continuing each other,
 arriving at random times) replayed with a random configuration: chunked prefill under small
 token budgets, tiny caches that force preemption, Mamba groups whose block size differs from
-the attention block size, external computed tokens from a fake P/D connector, speculative
-decoding with random accept patterns, both conv layouts and both state kinds (gated delta net;
-Mamba2 with in-forward prefill checkpoints). Every stream must end with zero state mismatches
+the attention block size, sub-block prefix hits with copy-on-write copies, external computed
+tokens from a fake P/D connector, speculative decoding with random accept patterns, both conv
+layouts and both state kinds (gated delta net; Mamba2 with in-forward prefill checkpoints). Every stream must end with zero state mismatches
 and the block pool back to empty.
 
 ``make test`` runs the ``default`` profile (a few dozen streams, well under a minute once vLLM
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import dataclass, replace
 
 import pytest
 from hypothesis import given, note
@@ -46,6 +47,8 @@ def streams(draw):
     # Mamba groups with a smaller block size than attention. (A *larger* Mamba block is a
     # known upstream bug: see test_harness.py::test_mamba_block_larger_than_attention_block.)
     mamba_block = draw(st.sampled_from([None, None, None, block // 2 if block >= 8 else None]))
+    # Sub-block prefix hits (vLLM's prefix_match_unit), which add copy-on-write block copies.
+    unit = draw(st.sampled_from([None, None, 4])) if block >= 8 and mamba_block is None else None
     # Mamba2 checkpoints with speculative decoding: known upstream bug, see
     # test_harness.py::test_mamba2_checkpoint_with_spec_decode_hits_relocated_block.
     spec = draw(st.sampled_from([0, 0, 1, 2, 3])) if kind == "GDN_ATTN" else 0
@@ -69,29 +72,61 @@ def streams(draw):
     groups = layers.count("mamba") + layers.count("attention")
     need_blocks = groups * (longest // block + 6 + spec)
     blocks = draw(st.sampled_from([need_blocks, need_blocks + 4, 4 * need_blocks]))
+    seqs = draw(st.integers(1, 6))
+    budget = draw(st.sampled_from([8, 16, 24, 64, 256]))
+    threshold = draw(st.sampled_from([0, 0, 5, 16]))
+    if spec:
+        # With speculative decoding every running request must fit into each step's budget:
+        # one skipped for a step loses its accepted-token offset in vLLM's V1 worker (known
+        # upstream bug, see test_harness.py::test_spec_decode_request_skipped_for_a_step).
+        threshold = draw(st.sampled_from([4, 8]))
+        budget = seqs * max(threshold, 1 + spec) + draw(st.sampled_from([0, 3, 16]))
     config = ReplayConfig(
         shape=tiny_shape(layers, kind=kind), platform="any", block_size=block,
         mamba_block_size=mamba_block, cache_tokens=blocks * block, num_spec_tokens=spec,
-        max_num_batched_tokens=draw(st.sampled_from([8, 16, 24, 64, 256])),
-        max_num_seqs=draw(st.integers(1, 6)),
-        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5, 16])),
-        conv_layout=draw(st.sampled_from(["SD", "DS"])), max_steps=20_000)
-    accept = itertools.cycle(draw(st.lists(st.integers(0, 3), min_size=1, max_size=6)))
-    external = None
+        max_num_batched_tokens=budget, max_num_seqs=seqs,
+        long_prefill_token_threshold=threshold,
+        conv_layout=draw(st.sampled_from(["SD", "DS"])), prefix_match_unit=unit,
+        max_steps=20_000)
+    accept = draw(st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    loads = None
     if draw(st.booleans()):  # P/D: some requests get their prefix from a remote prefill
         loads = {r.id: draw(st.integers(0, len(r.prompt_token_ids))) for r in requests}
-        external = lambda rid, local, n: max(0, loads.get(rid, 0) - local)  # noqa: E731
-    return Trace("fuzz", requests), config, (lambda rid, k: min(next(accept), k)), external
+        if spec:
+            # External tokens + speculative decoding in a nearly full pool: vLLM's block
+            # accounting comes up one block short (known upstream crash, see
+            # test_harness.py::test_external_tokens_with_spec_decode_in_a_full_pool).
+            config = replace(config, cache_tokens=4 * need_blocks * block)
+    return Stream(Trace("fuzz", requests), config, accept, loads)
+
+
+@dataclass
+class Stream:
+    """One fuzz case; every field prints in a falsifying example."""
+
+    trace: Trace
+    config: ReplayConfig
+    #: drafts that match, per spec-decode step, cycled
+    accept_pattern: list[int]
+    #: P/D: tokens of each request's prompt a remote prefill delivers (None: no connector)
+    external_loads: dict[str, int] | None
+
+    def run(self):
+        pattern = itertools.cycle(self.accept_pattern)
+        loads = self.external_loads
+        external = None
+        if loads is not None:
+            external = lambda rid, local, n: max(0, loads.get(rid, 0) - local)  # noqa: E731
+        return run_replay(self.trace, self.config, get_policy("upstream"),
+                          accept=lambda rid, k: min(next(pattern), k), external=external)
 
 
 @given(streams())
 def test_random_streams_keep_states_exact_and_free_every_block(stream):
-    trace, config, accept, external = stream
-    note(f"config={config}")
     note("requests=" + "; ".join(f"{r.id}: prompt {len(r.prompt_token_ids)} out "
                                  f"{r.max_tokens} at {r.arrival_s} after {r.after}"
-                                 for r in trace.requests))
-    result = run_replay(trace, config, get_policy("upstream"), accept=accept, external=external)
+                                 for r in stream.trace.requests))
+    result = stream.run()
     assert [m.describe() for m in result.mismatches] == []
     assert result.blocks_leaked == 0, f"{result.blocks_leaked} blocks still allocated"
     assert all(r.finish_time is not None for r in result.requests.values())

@@ -6,14 +6,16 @@ imported; the full-size default run is exercised by ``test_cli.py``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from vllm_hybrid_backends import hookimpl, plugins, reference
-from vllm_hybrid_backends.replay.harness import ReplayConfig, run_replay
+from vllm_hybrid_backends.replay.harness import ReplayConfig, ReplayError, run_replay
 from vllm_hybrid_backends.replay.metrics import ideal_hits, policy_metrics
 from vllm_hybrid_backends.replay.policy import get_policy
 from vllm_hybrid_backends.replay.shapes import tiny_shape
-from vllm_hybrid_backends.replay.workloads import Trace, TraceRequest, make_workload
+from vllm_hybrid_backends.replay.workloads import Trace, TraceRequest, load_trace, make_workload
 from vllm_hybrid_backends.types import Availability, BackendIdentity, DeviceKind
 
 pytestmark = pytest.mark.slow
@@ -132,6 +134,16 @@ def test_plugin_policy_applies_its_patches_only_during_the_run():
         assert none == []
 
 
+def test_upstream_refuses_to_run_with_the_plugin_patched_in_for_good():
+    from vllm_hybrid_backends.patches import patch_vllm_platforms
+    from vllm_hybrid_backends.replay.policy import revertible_patches
+
+    with revertible_patches([patch_vllm_platforms]):  # stands in for vLLM loading the plugin
+        with pytest.raises(RuntimeError, match="patches are already applied in this process"):
+            with get_policy("upstream").active():
+                pass
+
+
 def test_unknown_policy_names_the_allowed_ones():
     with pytest.raises(ValueError, match="unknown policy 'x'; allowed: upstream, plugin"):
         get_policy("x")
@@ -202,7 +214,7 @@ def test_mamba_block_smaller_than_attention_block_keeps_states_exact():
     assert max(r.hit_tokens for r in result.requests.values()) > 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "vLLM 0.32 aligns Mamba chunk ends on cache_config.block_size, the smallest group block "
     "size, not the Mamba block size: a Mamba block holding the state after 12 tokens is "
     "cached as the 16-token boundary (open upstream PR #54076)"))
@@ -216,7 +228,7 @@ def test_mamba_block_larger_than_attention_block():
     assert [m.describe() for m in result.mismatches] == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "vLLM 0.32 V1 worker: the Mamba2 prefill checkpoint of a non-final chunk targets block "
     "column cdiv(end, block)-2, where the worker's appended block table still lists the "
     "speculative block the manager just relocated to the running column; the checkpoint's "
@@ -227,3 +239,39 @@ def test_mamba2_checkpoint_with_spec_decode_hits_relocated_block():
                    cache_tokens=96, max_num_batched_tokens=8, max_num_seqs=1, num_spec_tokens=1)
     result = run_replay(trace, config, get_policy("upstream"))
     assert [m.describe() for m in result.mismatches] == []
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "vLLM 0.32 V1 worker: a running request that is not scheduled for one step leaves the "
+    "persistent batch, and InputBatch.add_request resets its num_accepted_tokens to 1; after "
+    "an accepted draft in the same block the next forward then reads the state from before it"))
+def test_spec_decode_request_skipped_for_a_step():
+    # r2's prefill chunks take the whole 8-token budget ahead of r3 in the running list, so
+    # r3 (which just accepted a draft) is skipped for one step.
+    long_prompt = [1745, 1745, 804, 1568, 1839, 877, 98] * 2 + list(range(546, 572))
+    trace = Trace("skip", [
+        TraceRequest("r0", [1745], [1745]),
+        TraceRequest("r1", [1745], [1745, 804, 1568, 1839, 877, 98]),
+        TraceRequest("r2", long_prompt, [1745]),
+        TraceRequest("r3", [1745], [1745, 804, 1568, 1839]),
+        TraceRequest("r4", [1745], [1745]),
+    ])
+    config = _tiny(shape=tiny_shape(("mamba", "attention")), block_size=16, cache_tokens=288,
+                   max_num_batched_tokens=8, max_num_seqs=3, num_spec_tokens=1)
+    result = run_replay(trace, config, get_policy("upstream"), accept=lambda rid, k: min(1, k))
+    assert [m.describe() for m in result.mismatches] == []
+
+
+@pytest.mark.xfail(strict=True, raises=ReplayError, reason=(
+    "vLLM 0.32: a request admitted with external computed tokens (P/D connector) under "
+    "speculative decoding takes one block more than get_num_blocks_to_allocate counted (here "
+    "8 = 5 attention + the external-state, running and speculative Mamba blocks; 7 counted), "
+    "so in a nearly full pool BlockPool raises 'Cannot get 1 free blocks' inside schedule()"))
+def test_external_tokens_with_spec_decode_in_a_full_pool():
+    trace = load_trace(Path(__file__).parent / "data" / "pd_spec_full_pool.jsonl")
+    loads = {"r0": 64, "r4": 80}
+    config = _tiny(shape=tiny_shape(("mamba", "attention")), block_size=16, cache_tokens=480,
+                   max_num_batched_tokens=32, max_num_seqs=4, long_prefill_token_threshold=8,
+                   num_spec_tokens=1)
+    run_replay(trace, config, get_policy("upstream"), accept=lambda rid, k: 0,
+               external=lambda rid, local, n: max(0, loads.get(rid, 0) - local))

@@ -1,9 +1,10 @@
-"""``vllm-hybrid-backends replay``: what hit rate a hybrid model gets on a workload, and why not more.
+"""vllm-hybrid-backends replay: what hit rate a hybrid model gets on a workload, and why not more.
 
-Set ``VLLM_HYBRID_VLLM_PATH`` to a directory of vLLM sources (e.g. vLLM 0.33's pure-Python tree
-from ``make setup-vllm033``: ``.venv-vllm033/site``) to replay against that vLLM instead of the
-installed one: the command re-runs itself in a subprocess with that directory first on
-``PYTHONPATH`` (and ``VLLM_TARGET_DEVICE=cpu`` unless set: the harness needs no device).
+Set VLLM_HYBRID_VLLM_PATH to a directory of vLLM sources (e.g. vLLM 0.33's pure-Python tree from
+`make setup-vllm033`: .venv-vllm033/site) to replay against that vLLM instead of the installed
+one: the command re-runs itself in a subprocess with that directory first on PYTHONPATH (and
+VLLM_TARGET_DEVICE=cpu unless set: the harness needs no device). Exit status: 0, 1 when the
+state oracle reported a mismatch, 2 on a usage error. See docs/replay.md.
 """
 
 from __future__ import annotations

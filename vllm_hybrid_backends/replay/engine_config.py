@@ -36,9 +36,14 @@ def _no_general_plugins() -> Iterator[None]:
     """Keep vLLM from loading general plugins (this plugin included) in this process.
 
     ``EngineArgs`` loads them once per process; the replay harness applies the plugin's
-    patches itself, per policy, so nothing may be applied behind its back.
+    patches itself, per policy, so nothing may be applied behind its back. vLLM's
+    "already loaded" flag is restored afterwards, so a later real load in this process still
+    happens.
     """
+    import vllm.plugins
+
     previous = os.environ.get("VLLM_PLUGINS")
+    loaded = getattr(vllm.plugins, "plugins_loaded", None)
     os.environ["VLLM_PLUGINS"] = ""
     try:
         yield
@@ -47,6 +52,8 @@ def _no_general_plugins() -> Iterator[None]:
             os.environ.pop("VLLM_PLUGINS", None)
         else:
             os.environ["VLLM_PLUGINS"] = previous
+        if loaded is not None:
+            vllm.plugins.plugins_loaded = loaded
 
 
 def _model_dir(shape: ModelShape) -> Path:
@@ -98,6 +105,8 @@ class KVLayout:
     mamba_block_size: int | None = None
     attention_only: bool = False
     num_spec_tokens: int = 0
+    #: ``--prefix-match-unit``: sub-block prefix hits (hash granularity below the block size).
+    prefix_match_unit: int | None = None
 
 
 @dataclass
@@ -178,6 +187,7 @@ def build_engine_setup(
     cache.mamba_block_size = layout.mamba_block_size or layout.block_size
     cache.mamba_page_size_padded = layout.mamba_page_padded
     cache.num_gpu_blocks_override = layout.num_blocks
+    cache.prefix_match_unit = layout.prefix_match_unit
     sched.max_num_batched_tokens = max_num_batched_tokens
     if getattr(sched, "max_num_scheduled_tokens", None) is not None:
         sched.max_num_scheduled_tokens = max_num_batched_tokens

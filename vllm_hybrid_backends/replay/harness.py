@@ -60,6 +60,8 @@ class ReplayConfig:
     long_prefill_token_threshold: int = 0
     num_spec_tokens: int = 0
     conv_layout: str = "SD"
+    #: vLLM's ``prefix_match_unit`` (sub-block hits with copy-on-write); None = off.
+    prefix_match_unit: int | None = None
     max_model_len: int | None = None
     max_steps: int = 2_000_000
 
@@ -77,7 +79,9 @@ class ReplayConfig:
         return KVLayout(block_size=block_size, num_blocks=self.cache_tokens // block_size + 1,
                         mamba_page_padded=geometry.mamba_page_padded,
                         mamba_block_size=self.mamba_block_size, attention_only=attention_only,
-                        num_spec_tokens=self.num_spec_tokens)
+                        num_spec_tokens=self.num_spec_tokens,
+                        # vLLM rejects a sub-block unit for a single (attention) group
+                        prefix_match_unit=None if attention_only else self.prefix_match_unit)
 
 
 @dataclass
@@ -438,7 +442,11 @@ class _Run:
             if result.steps >= self.config.max_steps:
                 raise ReplayError(f"gave up after {result.steps} scheduler steps")
             t0 = time.perf_counter()
-            out = sched.schedule()
+            try:
+                out = sched.schedule()
+            except Exception as exc:
+                raise ReplayError(f"vLLM's scheduler raised at step {result.steps + 1} "
+                                  f"(simulated t={now:.3f}s): {type(exc).__name__}: {exc}") from exc
             t1 = time.perf_counter()
             for new in out.scheduled_new_reqs:
                 record = self.records[new.req_id]

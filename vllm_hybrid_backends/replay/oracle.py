@@ -179,6 +179,7 @@ class FakeHybridWorker:
         """Mirror ``GPUModelRunner._update_states``: requests, block ids, CoW copies."""
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.num_accepted.pop(req_id, None)
             self.in_batch.discard(req_id)
         copies = getattr(out, "kv_cache_block_copies", None)
         if copies:

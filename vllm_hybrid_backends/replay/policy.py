@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-__all__ = ["POLICIES", "Policy", "get_policy", "revertible_patches"]
+__all__ = ["POLICIES", "Policy", "get_policy", "patched_targets", "revertible_patches"]
 
 _MISSING = object()
 
@@ -102,8 +102,38 @@ class Policy:
     @contextlib.contextmanager
     def active(self) -> Iterator[list[str]]:
         """Apply this policy's patches for the duration of the block; yield their names."""
+        if not self.use_plugin_patches:
+            from .. import patches
+
+            leftover = patched_targets(patches.patch_modules("engine"))
+            if leftover:
+                # e.g. vLLM loaded the plugin in this process (general plugins), for good
+                raise RuntimeError(
+                    "the plugin's patches are already applied in this process ("
+                    + ", ".join(leftover) + "), so an upstream baseline cannot run here; "
+                    "use a fresh process, or VLLM_PLUGINS without hybrid_backends")
         with revertible_patches(self.patch_modules()) as applied:
             yield applied
+
+
+def patched_targets(patch_modules: Sequence[ModuleType]) -> list[str]:
+    """The patch targets whose current value comes from this package (i.e. patched)."""
+    found = []
+    for module in patch_modules:
+        try:
+            target = importlib.import_module(module.TARGET_MODULE)
+        except ImportError:
+            continue
+        for symbol in module.TARGET_SYMBOLS:
+            try:
+                owners, attr = _resolve_owner(target, symbol)
+            except (AttributeError, ImportError):
+                continue
+            value = getattr(owners[-1], attr, None)
+            value = getattr(value, "__func__", value)
+            if getattr(value, "__module__", "").startswith(__name__.split(".")[0] + "."):
+                found.append(symbol)
+    return found
 
 
 POLICIES = {
