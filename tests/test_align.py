@@ -148,3 +148,4 @@ def test_coordinator_free_hands_the_pool_one_suffix_ordered_list(monkeypatch):
                         lambda self, rid: freed.append(("vllm", rid)))
     coordinator_patch.free(coordinator, "req-2")
     assert freed[-1] == ("vllm", "req-2")
+

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -52,9 +53,15 @@ def _mamba_block_aligned_split(self: Any, request: Any, num_new_tokens: int,
     prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
     if scheduled <= 0 or start >= prefill_end:
         return scheduled
+    policy = align.current_policy()
+    if getattr(self, "mamba_has_prefill_checkpoint_blocks", False):
+        # Mamba2-style layers export the replay-boundary state from inside the forward; tail
+        # splits measured a lower hit rate there (replay: nemotron-h-8b agentic), so only the
+        # grid fix applies until that is understood.
+        policy = dataclasses.replace(policy, tail_checkpoints=0)
     end = align.chunk_end(start, start + scheduled, request.num_prompt_tokens, prefill_end,
                           split_block_size=self.cache_config.block_size,
-                          state_block_size=self.block_size, policy=align.current_policy())
+                          state_block_size=self.block_size, policy=policy)
     return max(end - start, 0)
 
 
