@@ -149,3 +149,22 @@ def test_coordinator_free_hands_the_pool_one_suffix_ordered_list(monkeypatch):
     coordinator_patch.free(coordinator, "req-2")
     assert freed[-1] == ("vllm", "req-2")
 
+
+
+def test_plugin_policy_caches_no_state_under_the_wrong_boundary_with_coarser_mamba_blocks():
+    """vLLM #54076, reproduced by the replay oracle (tests/replay/test_harness.py xfail):
+    upstream caches a Mamba block holding the state after 12 tokens as the 16-token boundary."""
+    from vllm_hybrid_backends.replay.harness import ReplayConfig, run_replay
+    from vllm_hybrid_backends.replay.policy import get_policy
+    from vllm_hybrid_backends.replay.shapes import tiny_shape
+    from vllm_hybrid_backends.replay.workloads import Trace, TraceRequest
+
+    trace = Trace("hetero", [TraceRequest("r0", [16] * 19, [16], 0.01),
+                             TraceRequest("r1", [16], [16]), TraceRequest("r2", [16], [16]),
+                             TraceRequest("r3", [16] * 21, [16])])
+    config = ReplayConfig(shape=tiny_shape(("mamba", "attention")), platform="any", block_size=4, mamba_block_size=8,
+                          cache_tokens=264, max_num_batched_tokens=8, max_num_seqs=3)
+    assert len(run_replay(trace, config, get_policy("upstream")).mismatches) > 0
+    plugin = run_replay(trace, config, get_policy("plugin"))
+    assert [m.describe() for m in plugin.mismatches] == []
+    assert plugin.requests["r0"].hit_tokens == 16
