@@ -97,6 +97,11 @@ def streams(draw):
             # accounting comes up one block short (known upstream crash, see
             # test_harness.py::test_external_tokens_with_spec_decode_in_a_full_pool).
             config = replace(config, cache_tokens=4 * need_blocks * block)
+        if kind == "MAMBA2":
+            # A mid-block external load + Mamba2 checkpoints + sub-block units caches a state
+            # under the wrong boundary (known upstream bug, see
+            # test_harness.py::test_mamba2_checkpoint_chunk_starting_mid_block).
+            config = replace(config, prefix_match_unit=None)
     return Stream(Trace("fuzz", requests), config, accept, loads)
 
 

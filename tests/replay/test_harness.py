@@ -275,3 +275,18 @@ def test_external_tokens_with_spec_decode_in_a_full_pool():
                    num_spec_tokens=1)
     run_replay(trace, config, get_policy("upstream"), accept=lambda rid, k: 0,
                external=lambda rid, local, n: max(0, loads.get(rid, 0) - local))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "vLLM 0.32, Mamba2 internal checkpoints with prefix_match_unit: a prefill chunk that starts "
+    "mid-block (here after 76 externally loaded tokens, block 8, unit 4) is not stopped at the "
+    "block boundary because the checkpoint is exportable, so the block holding the state after "
+    "76 tokens is cached as the 80-token boundary"))
+def test_mamba2_checkpoint_chunk_starting_mid_block():
+    trace = load_trace(Path(__file__).parent / "data" / "pd_mamba2_checkpoint_mid_block.jsonl")
+    config = _tiny(shape=tiny_shape(("mamba", "attention"), kind="MAMBA2"), block_size=8,
+                   cache_tokens=272, max_num_batched_tokens=24, max_num_seqs=1,
+                   prefix_match_unit=4)
+    result = run_replay(trace, config, get_policy("upstream"),
+                        external=lambda rid, local, n: max(0, 76 - local) if rid == "r2" else 0)
+    assert [m.describe() for m in result.mismatches] == []
