@@ -262,18 +262,29 @@ def test_spec_decode_request_skipped_for_a_step():
     assert [m.describe() for m in result.mismatches] == []
 
 
+FULL_POOL_CASES = [
+    pytest.param("pd_spec_full_pool.jsonl", {"r0": 64, "r4": 80},
+                 dict(shape=tiny_shape(("mamba", "attention")), block_size=16, cache_tokens=480,
+                      max_num_batched_tokens=32, max_num_seqs=4,
+                      long_prefill_token_threshold=8, num_spec_tokens=1), id="spec-decode"),
+    pytest.param("pd_mamba2_full_pool.jsonl", {"r3": 18, "r6": 128},
+                 dict(shape=tiny_shape(("mamba", "attention"), kind="MAMBA2"), block_size=4,
+                      cache_tokens=304, max_num_batched_tokens=64, max_num_seqs=4),
+                 id="mamba2-checkpoint-block"),
+]
+
+
 @pytest.mark.xfail(strict=True, raises=ReplayError, reason=(
-    "vLLM 0.32: a request admitted with external computed tokens (P/D connector) under "
-    "speculative decoding takes one block more than get_num_blocks_to_allocate counted (here "
-    "8 = 5 attention + the external-state, running and speculative Mamba blocks; 7 counted), "
-    "so in a nearly full pool BlockPool raises 'Cannot get 1 free blocks' inside schedule()"))
-def test_external_tokens_with_spec_decode_in_a_full_pool():
-    trace = load_trace(Path(__file__).parent / "data" / "pd_spec_full_pool.jsonl")
-    loads = {"r0": 64, "r4": 80}
-    config = _tiny(shape=tiny_shape(("mamba", "attention")), block_size=16, cache_tokens=480,
-                   max_num_batched_tokens=32, max_num_seqs=4, long_prefill_token_threshold=8,
-                   num_spec_tokens=1)
-    run_replay(trace, config, get_policy("upstream"), accept=lambda rid, k: 0,
+    "vLLM 0.32: a request admitted with external computed tokens (P/D connector) takes one "
+    "block more than get_num_blocks_to_allocate counted when its Mamba group needs a block "
+    "beyond the external-state and running ones (a speculative block, or Mamba2's prefill "
+    "checkpoint block; e.g. 8 taken = 5 attention + external-state, running and speculative "
+    "Mamba blocks, 7 counted), so in a nearly full pool BlockPool raises 'Cannot get 1 free "
+    "blocks' inside schedule()"))
+@pytest.mark.parametrize(("trace_file", "loads", "overrides"), FULL_POOL_CASES)
+def test_external_tokens_in_a_full_pool(trace_file, loads, overrides):
+    trace = load_trace(Path(__file__).parent / "data" / trace_file)
+    run_replay(trace, _tiny(**overrides), get_policy("upstream"), accept=lambda rid, k: 0,
                external=lambda rid, local, n: max(0, loads.get(rid, 0) - local))
 
 
