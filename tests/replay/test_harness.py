@@ -288,16 +288,25 @@ def test_external_tokens_in_a_full_pool(trace_file, loads, overrides):
                external=lambda rid, local, n: max(0, loads.get(rid, 0) - local))
 
 
+MID_BLOCK_CASES = [
+    pytest.param("pd_mamba2_checkpoint_mid_block.jsonl", {"r2": 76},
+                 dict(cache_tokens=272, max_num_batched_tokens=24), id="external-load"),
+    pytest.param("mamba2_checkpoint_partial_hit.jsonl", {},
+                 dict(cache_tokens=128, max_num_batched_tokens=16), id="sub-block-hit"),
+]
+
+
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "vLLM 0.32, Mamba2 internal checkpoints with prefix_match_unit: a prefill chunk that starts "
-    "mid-block (here after 76 externally loaded tokens, block 8, unit 4) is not stopped at the "
-    "block boundary because the checkpoint is exportable, so the block holding the state after "
-    "76 tokens is cached as the 80-token boundary"))
-def test_mamba2_checkpoint_chunk_starting_mid_block():
-    trace = load_trace(Path(__file__).parent / "data" / "pd_mamba2_checkpoint_mid_block.jsonl")
+    "vLLM 0.32, Mamba2 internal checkpoints with prefix_match_unit below the block size: a "
+    "prefill chunk that starts mid-block (after a sub-block hit, or e.g. 76 externally loaded "
+    "tokens with block 8, unit 4) is not stopped at the block boundary because the checkpoint "
+    "is exportable, so the block holding the state at the chunk start is cached as the "
+    "block-boundary state"))
+@pytest.mark.parametrize(("trace_file", "loads", "overrides"), MID_BLOCK_CASES)
+def test_mamba2_checkpoint_chunk_starting_mid_block(trace_file, loads, overrides):
+    trace = load_trace(Path(__file__).parent / "data" / trace_file)
     config = _tiny(shape=tiny_shape(("mamba", "attention"), kind="MAMBA2"), block_size=8,
-                   cache_tokens=272, max_num_batched_tokens=24, max_num_seqs=1,
-                   prefix_match_unit=4)
-    result = run_replay(trace, config, get_policy("upstream"),
-                        external=lambda rid, local, n: max(0, 76 - local) if rid == "r2" else 0)
+                   max_num_seqs=1, prefix_match_unit=4, **overrides)
+    external = (lambda rid, local, n: max(0, loads.get(rid, 0) - local)) if loads else None
+    result = run_replay(trace, config, get_policy("upstream"), external=external)
     assert [m.describe() for m in result.mismatches] == []
