@@ -4,6 +4,7 @@ them into vLLM."""
 from __future__ import annotations
 
 import types
+import zlib
 
 import pytest
 
@@ -91,7 +92,9 @@ def _fake_scheduler(block, min_block, original_result):
 def test_scheduler_patch_clips_vllms_chunk(scheduler_patched, monkeypatch):
     fake, original = _fake_scheduler(128, 128, 1500)
     monkeypatch.setitem(scheduler_patch._ORIGINALS, "_mamba_block_aligned_split", original)
-    request = types.SimpleNamespace(num_computed_tokens=0, num_prompt_tokens=1500, num_tokens=1500)
+    monkeypatch.setattr(coordinator_patch, "LEDGER", align.RetentionLedger())
+    request = types.SimpleNamespace(num_computed_tokens=0, num_prompt_tokens=1500, num_tokens=1500,
+                                    request_id="r")
     assert scheduler_patched._mamba_block_aligned_split(fake, request, 1500) == 384
     request.num_computed_tokens = 384
     assert scheduler_patched._mamba_block_aligned_split(fake, request, 1116) == 896 - 384
@@ -116,10 +119,15 @@ def test_coordinator_patch_adds_boundaries_only_while_caching_a_request():
     coordinator_patch.apply()
     try:
         assert module.replay_boundaries(1500, 128, False) == original(1500, 128, False)
-        request = types.SimpleNamespace(num_tokens=1537)
-        token = coordinator_patch._caching_for.set(request)
+        request = types.SimpleNamespace(num_tokens=1537, request_id="r")
+        token = coordinator_patch._caching_for.set((request, align.AlignPolicy()))
         try:
             assert module.replay_boundaries(1500, 128, False) == (384, 896, 1152, 1280, 1499, 1536)
+        finally:
+            coordinator_patch._caching_for.reset(token)
+        token = coordinator_patch._caching_for.set((request, align.AlignPolicy(tail_checkpoints=0)))
+        try:
+            assert module.replay_boundaries(1500, 128, False) == (1499, 1536)
         finally:
             coordinator_patch._caching_for.reset(token)
     finally:
@@ -137,12 +145,14 @@ def test_suffix_eviction_order_forgets_the_prefix_from_its_end_across_groups():
 
 def test_coordinator_free_hands_the_pool_one_suffix_ordered_list(monkeypatch):
     freed = []
-    managers = [types.SimpleNamespace(block_size=16, pop_blocks_for_free=lambda rid: ["a0", "a1"]),
-                types.SimpleNamespace(block_size=32, pop_blocks_for_free=lambda rid: ["m0"])]
+    a0, a1, m0 = (types.SimpleNamespace(name=n, block_id=i, block_hash=None)
+                  for i, n in enumerate(("a0", "a1", "m0")))
+    managers = [types.SimpleNamespace(block_size=16, pop_blocks_for_free=lambda rid: [a0, a1]),
+                types.SimpleNamespace(block_size=32, pop_blocks_for_free=lambda rid: [m0])]
     coordinator = types.SimpleNamespace(single_type_managers=managers,
                                         block_pool=types.SimpleNamespace(free_blocks=freed.append))
     coordinator_patch.free(coordinator, "req-1")
-    assert freed == [["a1", "m0", "a0"]]
+    assert [[b.name for b in blocks] for blocks in freed] == [["a1", "m0", "a0"]]
     monkeypatch.setenv(align.SUFFIX_EVICTION_ENV, "0")
     monkeypatch.setitem(coordinator_patch._ORIGINALS, "KVCacheCoordinator.free",
                         lambda self, rid: freed.append(("vllm", rid)))
@@ -168,3 +178,109 @@ def test_plugin_policy_caches_no_state_under_the_wrong_boundary_with_coarser_mam
     plugin = run_replay(trace, config, get_policy("plugin"))
     assert [m.describe() for m in plugin.mismatches] == []
     assert plugin.requests["r0"].hit_tokens == 16
+
+
+def test_tail_checkpoints_are_off_for_models_with_internal_prefill_checkpoints():
+    policy = align.AlignPolicy(tail_checkpoints=4)
+    assert align.policy_for_model(policy, internal_prefill_checkpoints=False) == policy
+    mamba2 = align.policy_for_model(policy, internal_prefill_checkpoints=True)
+    assert mamba2.tail_checkpoints == 0
+    assert (mamba2.decode_checkpoints, mamba2.mamba_grid, mamba2.suffix_eviction) == (True, True, True)
+
+
+@pytest.mark.parametrize("flags, expected", [((), False), ((True,), True), ((True, False), False)])
+def test_coordinator_reads_internal_checkpoints_like_the_scheduler(flags, expected):
+    attention = types.SimpleNamespace()
+    managers = [attention, *(types.SimpleNamespace(has_prefill_checkpoint_blocks=f) for f in flags)]
+    coordinator = types.SimpleNamespace(single_type_managers=managers)
+    assert coordinator_patch._internal_prefill_checkpoints(coordinator) is expected
+
+
+# ---- adaptive retention -----------------------------------------------------------------------
+
+
+def test_a_kind_is_admitted_while_warming_up_or_reused_and_sampled_otherwise():
+    warm, ratio = align.RETENTION_WARMUP, align.RETENTION_MIN_REUSE
+    assert align.admits_kind(warm - 1, 0, "r")
+    assert align.admits_kind(warm * ratio, warm, "r")
+    assert not align.admits_kind(warm * ratio, warm - 1, "r") or zlib.crc32(b"r") % align.RETENTION_EXPLORE == 0
+    sampled = [align.admits_kind(1000, 0, f"req-{i}") for i in range(1600)]
+    assert 0 < sum(sampled) < 1600 / align.RETENTION_EXPLORE * 1.5
+    assert sampled == [align.admits_kind(1000, 0, f"req-{i}") for i in range(1600)]  # deterministic
+
+
+def test_ledger_learns_reuse_per_kind_and_keeps_a_requests_decision():
+    ledger = align.RetentionLedger()
+    assert ledger.admits("decode", "r0")
+    for block in range(align.RETENTION_WARMUP):
+        ledger.record_kept("decode", block, ("h", block))
+        ledger.record_kept("decode", block, ("h", block))  # the same state again: counted once
+    assert ledger.kept["decode"] == align.RETENTION_WARMUP and not ledger.proven("decode")
+    assert ledger.on_probation(3, ("h", 3)) and not ledger.on_probation(3, ("other", 3))
+    assert ledger.admits("decode", "r0")  # decided before the evidence: stays until freed
+    refused = [r for r in (f"r{i}" for i in range(1, 200)) if not ledger.admits("decode", r)]
+    assert len(refused) > 150
+    ledger.record_hit(3, ("h", 3))
+    ledger.record_hit(3, ("h", 3))  # one state reused twice counts once
+    assert ledger.reused["decode"] == 1 and not ledger.on_probation(3, ("h", 3))
+    for block in range(4):
+        ledger.record_hit(block, ("h", block))
+    assert ledger.proven("decode") and not ledger.on_probation(10, ("h", 10))
+    ledger.forget_request(refused[0])
+    assert ledger.admits("decode", refused[0])  # decided afresh, now with reuse on record
+
+
+def test_window_halves_the_counts():
+    ledger = align.RetentionLedger()
+    for block in range(align.RETENTION_WINDOW + 1):
+        ledger.record_kept("tail-1", block, block)
+    assert ledger.kept["tail-1"] == (align.RETENTION_WINDOW + 1) // 2
+
+
+def test_chunk_end_skips_tail_checkpoints_of_kinds_not_admitted():
+    kinds = align.tail_checkpoints_by_kind(1500, 128, 4)
+    assert kinds == {"tail-1": 1280, "tail-2": 1152, "tail-4": 896, "tail-8": 384}
+    only_4 = lambda kind: kind == "tail-4"  # noqa: E731
+    assert align.chunk_end(0, 1500, 1500, 1500, 128, 128, DEFAULT, admitted=only_4) == 896
+    assert align.chunk_end(896, 1500, 1500, 1500, 128, 128, DEFAULT, admitted=only_4) == 1500
+
+
+def _queue_with(blocks):
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    return FreeKVCacheBlockQueue(blocks)
+
+
+def _ids(queue):
+    out, block = [], queue.fake_free_list_head.next_free_block
+    while block is not queue.fake_free_list_tail:
+        out.append(block.block_id)
+        block = block.next_free_block
+    return out
+
+
+def _block(block_id, hashed):
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    block = KVCacheBlock(block_id=block_id)
+    if hashed:
+        block.set_block_hash(f"h{block_id}".encode(), num_tokens=16)
+    return block
+
+
+def test_probation_blocks_go_after_the_uncached_free_blocks_before_every_cached_one():
+    blocks = [_block(0, False), _block(1, False), _block(2, True), _block(3, True),
+              _block(8, True), _block(9, True)]
+    queue = _queue_with(blocks)
+    coordinator_patch._evict_first_among_cached(queue, [blocks[4], blocks[5]])
+    assert _ids(queue) == [0, 1, 8, 9, 2, 3]
+    assert queue.num_free_blocks == 6
+    assert [b.block_id for b in queue.get_all_free_blocks()] == [0, 1, 8, 9, 2, 3]
+
+
+def test_probation_keeps_lru_order_when_many_uncached_blocks_are_free():
+    uncached = [_block(i, False) for i in range(coordinator_patch.PROBATION_SCAN + 1)]
+    late = [_block(100, True), _block(101, True)]
+    queue = _queue_with(uncached + late)
+    coordinator_patch._evict_first_among_cached(queue, late)
+    assert _ids(queue)[-2:] == [100, 101] and queue.num_free_blocks == len(uncached) + 2

@@ -17,6 +17,10 @@ Settings (read once per call from the environment, so a process can switch them)
   cannot be hit without it, and a state cannot be hit without the attention blocks before it).
   vLLM frees group by group, so every attention block of a request is evicted before any of
   its Mamba states: kept snapshots then push attention prefixes out of the cache.
+- ``VLLM_HYBRID_ADAPTIVE_RETENTION`` (default 1): keep tail and decode states only while
+  states of that kind are being reused (:class:`RetentionLedger`); a kind that is not (decode
+  states on agentic prompts that insert the answer before a fixed tail; tail states on chat
+  that always resumes past the prompt) stops costing memory and chunk splits.
 - ``VLLM_HYBRID_MAMBA_GRID`` (default 1): when the scheduler's block size is smaller than the
   Mamba block size, floor non-final chunk ends to the Mamba grid, so a state is never cached
   under the wrong boundary (vLLM #54076).
@@ -25,8 +29,9 @@ Settings (read once per call from the environment, so a process can switch them)
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -35,7 +40,10 @@ TAIL_CHECKPOINTS_ENV = "VLLM_HYBRID_TAIL_CHECKPOINTS"
 DECODE_CHECKPOINTS_ENV = "VLLM_HYBRID_DECODE_CHECKPOINTS"
 MAMBA_GRID_ENV = "VLLM_HYBRID_MAMBA_GRID"
 SUFFIX_EVICTION_ENV = "VLLM_HYBRID_SUFFIX_EVICTION"
+ADAPTIVE_RETENTION_ENV = "VLLM_HYBRID_ADAPTIVE_RETENTION"
 DEFAULT_TAIL_CHECKPOINTS = 4
+#: Kinds of extra state: ``tail-<blocks before the last prompt boundary>`` and decode.
+TAIL, DECODE = "tail", "decode"
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,7 @@ class AlignPolicy:
     decode_checkpoints: bool = True
     mamba_grid: bool = True
     suffix_eviction: bool = True
+    adaptive_retention: bool = True
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -77,7 +86,20 @@ def current_policy() -> AlignPolicy:
         decode_checkpoints=_flag(DECODE_CHECKPOINTS_ENV, True),
         mamba_grid=_flag(MAMBA_GRID_ENV, True),
         suffix_eviction=_flag(SUFFIX_EVICTION_ENV, True),
+        adaptive_retention=_flag(ADAPTIVE_RETENTION_ENV, True),
     )
+
+
+def policy_for_model(policy: AlignPolicy, *, internal_prefill_checkpoints: bool) -> AlignPolicy:
+    """``policy`` as it applies to one model: the scheduler and the cache must agree on it.
+
+    Tail checkpoints are off when the Mamba layers export the prompt checkpoint from inside the
+    forward (Mamba2: vLLM's ``num_prefill_checkpoint_blocks``): the extra states measured a lower
+    hit rate there (replay, nemotron-h-8b agentic: 0.125 against upstream's 0.228).
+    """
+    if internal_prefill_checkpoints and policy.tail_checkpoints:
+        return replace(policy, tail_checkpoints=0)
+    return policy
 
 
 def last_prompt_boundary(num_prompt_tokens: int, block_size: int) -> int:
@@ -85,20 +107,27 @@ def last_prompt_boundary(num_prompt_tokens: int, block_size: int) -> int:
     return max(num_prompt_tokens - 1, 0) // block_size * block_size
 
 
-def tail_checkpoints(num_prompt_tokens: int, block_size: int, count: int) -> tuple[int, ...]:
-    """Boundaries 1, 2, 4, ... blocks before the prompt's last boundary (at most ``count``).
+def tail_checkpoints_by_kind(num_prompt_tokens: int, block_size: int,
+                             count: int) -> dict[str, int]:
+    """Boundaries 1, 2, 4, ... blocks before the prompt's last boundary (at most ``count``),
+    keyed by their kind ``"tail-<distance in blocks>"``.
 
     Spacing doubles away from the end: divergence near the end (agentic histories, edited
     turns) loses at most the distance to the end, and a prompt of ``n`` blocks keeps
     ``O(log n)`` extra states.
     """
     last = last_prompt_boundary(num_prompt_tokens, block_size)
-    positions: list[int] = []
-    distance = block_size
-    while len(positions) < count and last - distance > 0:
-        positions.append(last - distance)
+    kinds: dict[str, int] = {}
+    distance = 1
+    while len(kinds) < count and last - distance * block_size > 0:
+        kinds[f"{TAIL}-{distance}"] = last - distance * block_size
         distance *= 2
-    return tuple(sorted(positions))
+    return kinds
+
+
+def tail_checkpoints(num_prompt_tokens: int, block_size: int, count: int) -> tuple[int, ...]:
+    """The positions of :func:`tail_checkpoints_by_kind`, ascending."""
+    return tuple(sorted(tail_checkpoints_by_kind(num_prompt_tokens, block_size, count).values()))
 
 
 def decode_boundary(num_prompt_tokens: int, num_tokens: int, block_size: int) -> int | None:
@@ -107,16 +136,99 @@ def decode_boundary(num_prompt_tokens: int, num_tokens: int, block_size: int) ->
     return boundary if boundary >= num_prompt_tokens and boundary > 0 else None
 
 
+def retained_boundaries_by_kind(
+    num_prompt_tokens: int, num_tokens: int, block_size: int, policy: AlignPolicy
+) -> dict[str, tuple[int, ...]]:
+    """Extra token positions whose Mamba state the KV-cache manager must keep, by kind."""
+    kinds = {kind: (position,) for kind, position in
+             tail_checkpoints_by_kind(num_prompt_tokens, block_size, policy.tail_checkpoints).items()}
+    decoded = decode_boundary(num_prompt_tokens, num_tokens, block_size)
+    if policy.decode_checkpoints and decoded is not None:
+        kinds[DECODE] = (decoded,)
+    return kinds
+
+
 def retained_boundaries(
     num_prompt_tokens: int, num_tokens: int, block_size: int, policy: AlignPolicy
 ) -> tuple[int, ...]:
     """Extra token positions whose Mamba state the KV-cache manager must keep (hash)."""
-    kept = set(tail_checkpoints(num_prompt_tokens, block_size, policy.tail_checkpoints))
-    if policy.decode_checkpoints:
-        decoded = decode_boundary(num_prompt_tokens, num_tokens, block_size)
-        if decoded is not None:
-            kept.add(decoded)
-    return tuple(sorted(kept))
+    kinds = retained_boundaries_by_kind(num_prompt_tokens, num_tokens, block_size, policy)
+    return tuple(sorted({p for positions in kinds.values() for p in positions}))
+
+
+#: Admit every state of a kind until this many were kept (the ledger has nothing to go on).
+RETENTION_WARMUP = 8
+#: Keep admitting a kind while at least one kept state in this many is reused.
+RETENTION_MIN_REUSE = 8
+#: A kind that is not admitted is still admitted for one request in this many (sampled by
+#: request id), so the ledger notices when the workload starts reusing it.
+RETENTION_EXPLORE = 16
+#: Counts are halved past this many kept states, so the estimate follows the workload.
+RETENTION_WINDOW = 512
+
+
+def admits_kind(kept: int, reused: int, request_id: str) -> bool:
+    """Whether a request's extra states of a kind with ``kept``/``reused`` counts are kept."""
+    if kept < RETENTION_WARMUP or reused * RETENTION_MIN_REUSE >= kept:
+        return True
+    return zlib.crc32(request_id.encode()) % RETENTION_EXPLORE == 0
+
+
+class RetentionLedger:
+    """Which kinds of extra Mamba state earn their memory, learned from reuse (after Marconi).
+
+    The cache records each extra state it keeps (``kept``) and each prefix hit that ends on
+    one (``reused``, once per state). A request's admission of a kind is decided on first
+    query and stays fixed until the request is freed, so the scheduler (which splits chunks
+    for tail states) and the cache (which keeps them) agree.
+    """
+
+    def __init__(self) -> None:
+        self.kept: dict[str, int] = {}
+        self.reused: dict[str, int] = {}
+        self._decisions: dict[str, dict[str, bool]] = {}
+        self._states: dict[int, tuple[str, object, bool]] = {}  # block id -> (kind, hash, reused)
+
+    def admits(self, kind: str, request_id: str) -> bool:
+        decisions = self._decisions.setdefault(request_id, {})
+        decision = decisions.get(kind)
+        if decision is None:
+            decision = admits_kind(self.kept.get(kind, 0), self.reused.get(kind, 0), request_id)
+            decisions[kind] = decision
+        return decision
+
+    def record_kept(self, kind: str, block_id: int, block_hash: object) -> None:
+        entry = self._states.get(block_id)
+        if entry is not None and entry[1] == block_hash:
+            return
+        self._states[block_id] = (kind, block_hash, False)
+        self.kept[kind] = self.kept.get(kind, 0) + 1
+        self.reused.setdefault(kind, 0)
+        if self.kept[kind] > RETENTION_WINDOW:
+            self.kept[kind] //= 2
+            self.reused[kind] //= 2
+
+    def record_hit(self, block_id: int, block_hash: object) -> None:
+        entry = self._states.get(block_id)
+        if entry is None or entry[1] != block_hash or entry[2]:
+            return
+        self._states[block_id] = (entry[0], block_hash, True)
+        self.reused[entry[0]] += 1
+
+    def proven(self, kind: str) -> bool:
+        """Whether a kind's states have earned ordinary LRU treatment (warmed up and reused)."""
+        kept = self.kept.get(kind, 0)
+        return kept >= RETENTION_WARMUP and self.reused.get(kind, 0) * RETENTION_MIN_REUSE >= kept
+
+    def on_probation(self, block_id: int, block_hash: object) -> bool:
+        """A kept extra state, never reused, of a kind not proven: evict it before other
+        cached blocks, so it never pushes out an attention prefix or a state vLLM keeps."""
+        entry = self._states.get(block_id)
+        return (entry is not None and entry[1] == block_hash and not entry[2]
+                and not self.proven(entry[0]))
+
+    def forget_request(self, request_id: str) -> None:
+        self._decisions.pop(request_id, None)
 
 
 def chunk_end(
@@ -127,6 +239,7 @@ def chunk_end(
     split_block_size: int,
     state_block_size: int,
     policy: AlignPolicy,
+    admitted: Callable[[str], bool] | None = None,
 ) -> int:
     """Where a prefill chunk ``[start, end)`` (as vLLM chose it) must stop instead.
 
@@ -135,11 +248,14 @@ def chunk_end(
     Stops at the first tail checkpoint strictly inside the chunk and, when the state block is
     coarser, floors a non-final end to the state grid (unless that leaves nothing to schedule:
     a chunk too short to reach the next boundary keeps its end, its state private).
+    ``admitted`` (a kind -> bool), when given, leaves out the tail checkpoints it rejects.
     """
     if start >= prefill_end:
         return end
-    checkpoints = tail_checkpoints(num_prompt_tokens, state_block_size, policy.tail_checkpoints)
-    stops = [c for c in checkpoints if start < c < end]
+    checkpoints = tail_checkpoints_by_kind(num_prompt_tokens, state_block_size,
+                                           policy.tail_checkpoints)
+    stops = sorted(c for kind, c in checkpoints.items()
+                   if start < c < end and (admitted is None or admitted(kind)))
     if stops:
         end = stops[0]
     if policy.mamba_grid and state_block_size > split_block_size and end < prefill_end:

@@ -195,6 +195,22 @@ def test_preemption_under_a_tiny_cache_keeps_states_exact():
     assert result.mismatches == [] and result.blocks_leaked == 0
 
 
+def test_an_evicted_mamba_state_is_counted_and_attributed_as_evicted():
+    # "a" caches a state at its prompt boundary (40); three unrelated prompts then pass
+    # through a pool too small to keep it; "b" resends a's prompt and finds the state gone.
+    a_prompt = list(range(1000, 1041))
+    fillers = [TraceRequest(f"f{i}", list(range(2000 + 100 * i, 2041 + 100 * i)), [7] * 2,
+                            arrival_s=1.0 + i) for i in range(3)]
+    trace = Trace("evict", [TraceRequest("a", a_prompt, [5] * 2), *fillers,
+                            TraceRequest("b", a_prompt + [9] * 8, [5] * 2, arrival_s=20.0)])
+    hybrid, bound = both_runs(trace, config=_tiny(cache_tokens=8 * 28, max_num_batched_tokens=64))
+    assert hybrid.evictions_mamba > 0
+    assert bound.requests["b"].hit_tokens == 40 and hybrid.requests["b"].hit_tokens == 0
+    # Boundaries 8..32 never had a state (upstream keeps the prompt's last one only); the
+    # state at 40 existed and was evicted.
+    assert hybrid.requests["b"].miss_chunks == {"no_mamba_state_at_boundary": 32, "evicted": 8}
+
+
 def test_ideal_hits_are_token_granular_longest_shared_prefixes():
     trace = Trace("t", [TraceRequest("a", [1, 2, 3, 4, 5], [6, 7]),
                         TraceRequest("b", [1, 2, 3, 9], [1]),
@@ -310,3 +326,21 @@ def test_mamba2_checkpoint_chunk_starting_mid_block(trace_file, loads, overrides
     external = (lambda rid, local, n: max(0, loads.get(rid, 0) - local)) if loads else None
     result = run_replay(trace, config, get_policy("upstream"), external=external)
     assert [m.describe() for m in result.mismatches] == []
+
+
+def test_adaptive_retention_stops_keeping_decode_states_nobody_resumes_from(monkeypatch):
+    # Unrelated single-turn requests whose outputs cross a block boundary: every decode state
+    # is kept at first, none is ever reused, so the ledger soon keeps only sampled ones.
+    from vllm_hybrid_backends import align
+    from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
+
+    trace = Trace("one-shot", [TraceRequest(f"r{i}", list(range(3000 + 50 * i, 3020 + 50 * i)),
+                                            [7] * 12, arrival_s=float(i)) for i in range(60)])
+    result = run_replay(trace, _tiny(), get_policy("plugin"))
+    assert result.mismatches == []
+    kept = coordinator.LEDGER.kept["decode"]
+    assert coordinator.LEDGER.reused["decode"] == 0
+    assert align.RETENTION_WARMUP <= kept < align.RETENTION_WARMUP + 60 // 4
+    monkeypatch.setenv(align.ADAPTIVE_RETENTION_ENV, "0")
+    run_replay(trace, _tiny(), get_policy("plugin"))
+    assert coordinator.LEDGER.kept == {}  # off: the ledger records nothing

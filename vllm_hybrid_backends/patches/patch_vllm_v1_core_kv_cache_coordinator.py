@@ -2,7 +2,8 @@
 finished request's cached prefix from its end, all groups together.
 
 - Targets: ``vllm.v1.core.kv_cache_coordinator.replay_boundaries``,
-  ``KVCacheCoordinator.cache_blocks`` and ``KVCacheCoordinator.free``.
+  ``KVCacheCoordinator.cache_blocks``, ``KVCacheCoordinator.free`` and
+  ``HybridKVCacheCoordinator.find_longest_cache_hit``.
 - Why: with the default ``prefix_cache_retention_interval=0`` vLLM hashes (keeps) a Mamba state
   only at the prompt's replay boundary and a shared-prefix junction; every other state is freed
   unhashed, so the tail checkpoints the scheduler patch stops at, and the states crossed while
@@ -16,6 +17,12 @@ finished request's cached prefix from its end, all groups together.
   sparse Mamba retention read these positions; attention groups cache every block anyway.
   ``free`` pops every group's blocks (``pop_blocks_for_free``, so subclasses keep their
   bookkeeping) and frees them in :func:`vllm_hybrid_backends.align.suffix_eviction_order`.
+  With ``VLLM_HYBRID_ADAPTIVE_RETENTION``, a :class:`vllm_hybrid_backends.align.RetentionLedger`
+  learns which kinds of extra state get reused: ``cache_blocks`` records the states it kept,
+  ``find_longest_cache_hit`` the ones a hit ends on; a kind that is not reused is no longer
+  kept (nor split for, see the scheduler patch), and ``free`` moves never-reused states of an
+  unproven kind in front of every other cached block in vLLM's free queue (after the uncached
+  ones), so a snapshot nobody reuses never evicts an attention prefix.
 - Upstream: vLLM #50551 (decode-end states for conversation reuse, open); retention semantics in
   ``vllm_map.md`` §4(d).
 - vLLM versions: 0.32.x, 0.33.x (same signatures).
@@ -31,11 +38,15 @@ from typing import Any
 from .. import align
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_coordinator"
-TARGET_SYMBOLS = ("replay_boundaries", "KVCacheCoordinator.cache_blocks", "KVCacheCoordinator.free")
+TARGET_SYMBOLS = ("replay_boundaries", "KVCacheCoordinator.cache_blocks", "KVCacheCoordinator.free",
+                  "HybridKVCacheCoordinator.find_longest_cache_hit")
 PROCESS = "engine"
 
 _ORIGINALS: dict[str, Any] = {}
+#: (request, policy) while ``cache_blocks`` runs for a request.
 _caching_for: contextvars.ContextVar[Any] = contextvars.ContextVar("hybrid_caching_for", default=None)
+#: What this engine process has learned about which extra states get reused (one per process).
+LEDGER = align.RetentionLedger()
 
 
 def _module() -> Any:
@@ -54,38 +65,141 @@ def missing() -> list[str]:
     for name in ("cache_blocks", "free", "pop_blocks_for_free"):
         if not callable(getattr(coordinator, name, None)):
             problems.append(f"KVCacheCoordinator.{name}")
+    hybrid = getattr(module, "HybridKVCacheCoordinator", None)
+    if not callable(getattr(hybrid, "find_longest_cache_hit", None)):
+        problems.append("HybridKVCacheCoordinator.find_longest_cache_hit")
     return problems
 
 
 def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int, use_eagle: bool) -> tuple[int, ...]:
     base = _ORIGINALS["replay_boundaries"](num_prompt_tokens, scheduler_block_size, use_eagle)
-    request = _caching_for.get()
-    if request is None:
+    caching = _caching_for.get()
+    if caching is None:
         return base
-    extra = align.retained_boundaries(num_prompt_tokens, request.num_tokens, scheduler_block_size,
-                                      align.current_policy())
-    return tuple(sorted(set(base).union(extra))) if extra else base
+    request, policy = caching
+    extra = _admitted_boundaries(request, policy, num_prompt_tokens, scheduler_block_size)
+    if not extra:
+        return base
+    return tuple(sorted(set(base).union(p for positions in extra.values() for p in positions)))
+
+
+def _admitted_boundaries(request: Any, policy: align.AlignPolicy, num_prompt_tokens: int,
+                         block_size: int) -> dict[str, tuple[int, ...]]:
+    kinds = align.retained_boundaries_by_kind(num_prompt_tokens, request.num_tokens, block_size,
+                                              policy)
+    return {kind: positions for kind, positions in kinds.items()
+            if positions and (not policy.adaptive_retention
+                              or LEDGER.admits(kind, request.request_id))}
+
+
+def _mamba_managers(coordinator: Any) -> list[Any]:
+    return [m for m in coordinator.single_type_managers if hasattr(m, "has_prefill_checkpoint_blocks")]
+
+
+def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolicy) -> None:
+    managers = _mamba_managers(coordinator)
+    if not managers:
+        return
+    manager = managers[0]  # every Mamba group keeps the same positions
+    size = manager.block_size
+    extra = _admitted_boundaries(request, policy, request.num_prompt_tokens, size)
+    blocks = manager.req_to_blocks.get(request.request_id, ())
+    for kind, positions in extra.items():
+        for position in positions:
+            index = position // size - 1
+            if position % size or not 0 <= index < len(blocks):
+                continue
+            block = blocks[index]
+            if block.is_null or block.block_hash is None:
+                continue
+            if getattr(block, "block_hash_num_tokens", position) == position:
+                LEDGER.record_kept(kind, block.block_id, block.block_hash)
+
+
+def _internal_prefill_checkpoints(coordinator: Any) -> bool:
+    """The scheduler's ``mamba_has_prefill_checkpoint_blocks``, from the coordinator's managers."""
+    mamba = [m for m in coordinator.single_type_managers if hasattr(m, "has_prefill_checkpoint_blocks")]
+    return bool(mamba) and all(m.has_prefill_checkpoint_blocks for m in mamba)
 
 
 def cache_blocks(self: Any, request: Any, num_computed_tokens: int) -> None:
-    token = _caching_for.set(request)
+    policy = align.policy_for_model(align.current_policy(),
+                                    internal_prefill_checkpoints=_internal_prefill_checkpoints(self))
+    token = _caching_for.set((request, policy))
     try:
         _ORIGINALS["KVCacheCoordinator.cache_blocks"](self, request, num_computed_tokens)
     finally:
         _caching_for.reset(token)
+    if policy.adaptive_retention:
+        _record_kept_states(self, request, policy)
+
+
+def find_longest_cache_hit(self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
+    result = _ORIGINALS["HybridKVCacheCoordinator.find_longest_cache_hit"](
+        self, block_hashes, max_cache_hit_length)
+    if result[1] > 0:
+        for group, manager in enumerate(self.single_type_managers):
+            if hasattr(manager, "has_prefill_checkpoint_blocks"):
+                hit = result[0][group]
+                if hit and not hit[-1].is_null and hit[-1].block_hash is not None:
+                    LEDGER.record_hit(hit[-1].block_id, hit[-1].block_hash)
+                break
+    return result
 
 
 def free(self: Any, request_id: str) -> None:
+    LEDGER.forget_request(request_id)
     if not align.current_policy().suffix_eviction:
         _ORIGINALS["KVCacheCoordinator.free"](self, request_id)
         return
     groups = [(manager.block_size, manager.pop_blocks_for_free(request_id))
               for manager in self.single_type_managers]
-    self.block_pool.free_blocks(align.suffix_eviction_order(groups))
+    ordered = align.suffix_eviction_order(groups)
+    probation = [block for block in ordered
+                 if block.block_hash is not None and LEDGER.on_probation(block.block_id, block.block_hash)]
+    self.block_pool.free_blocks(ordered)
+    if probation:
+        _evict_first_among_cached(self.block_pool.free_block_queue, probation)
+
+
+#: How far past the uncached free blocks to look for the oldest cached one; beyond it the pool
+#: has that many uncached blocks free, nothing is under pressure and LRU order is kept.
+PROBATION_SCAN = 64
+
+
+def _evict_first_among_cached(queue: Any, blocks: list[Any]) -> None:
+    """Move freed ``blocks`` from the LRU end of vLLM's free queue to just before its oldest
+    cached block: after the uncached free blocks (reused first anyway), before every cached one."""
+    blocks = [b for b in blocks if b.ref_cnt == 0 and b.prev_free_block is not None]
+    if not blocks:
+        return
+    for block in blocks:
+        queue.remove(block)
+    anchor = queue.fake_free_list_head
+    for _ in range(PROBATION_SCAN):
+        following = anchor.next_free_block
+        if following is queue.fake_free_list_tail or following.block_hash is not None:
+            break
+        anchor = following
+    else:
+        queue.append_n(blocks)
+        return
+    following = anchor.next_free_block
+    for block in blocks:
+        anchor.next_free_block, block.prev_free_block = block, anchor
+        anchor = block
+    anchor.next_free_block, following.prev_free_block = following, anchor
+    queue.num_free_blocks += len(blocks)
 
 
 def apply() -> None:
+    global LEDGER
     module = _module()
+    if module.HybridKVCacheCoordinator.find_longest_cache_hit is not find_longest_cache_hit:
+        LEDGER = align.RetentionLedger()
+        _ORIGINALS["HybridKVCacheCoordinator.find_longest_cache_hit"] = (
+            module.HybridKVCacheCoordinator.find_longest_cache_hit)
+        module.HybridKVCacheCoordinator.find_longest_cache_hit = find_longest_cache_hit
     if module.replay_boundaries is not replay_boundaries:
         _ORIGINALS["replay_boundaries"] = module.replay_boundaries
         module.replay_boundaries = replay_boundaries
@@ -99,6 +213,9 @@ def apply() -> None:
 
 def revert() -> None:
     module = _module()
+    if "HybridKVCacheCoordinator.find_longest_cache_hit" in _ORIGINALS:
+        module.HybridKVCacheCoordinator.find_longest_cache_hit = _ORIGINALS.pop(
+            "HybridKVCacheCoordinator.find_longest_cache_hit")
     if "replay_boundaries" in _ORIGINALS:
         module.replay_boundaries = _ORIGINALS.pop("replay_boundaries")
     if "KVCacheCoordinator.cache_blocks" in _ORIGINALS:

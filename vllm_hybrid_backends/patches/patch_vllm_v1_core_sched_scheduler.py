@@ -9,8 +9,11 @@
   chunk can end off the Mamba grid and a state is cached under the wrong boundary.
 - How: the original decides the chunk; :func:`vllm_hybrid_backends.align.chunk_end` then stops
   it at the first tail checkpoint inside it (``VLLM_HYBRID_TAIL_CHECKPOINTS``) and floors a
-  non-final end to the scheduler's LCM block (``VLLM_HYBRID_MAMBA_GRID``). Only requests of
-  models with Mamba groups in align mode are touched (``need_mamba_block_aligned_split``).
+  non-final end to the scheduler's LCM block (``VLLM_HYBRID_MAMBA_GRID``). Tail kinds the
+  retention ledger does not admit for the request are not stopped at
+  (``VLLM_HYBRID_ADAPTIVE_RETENTION``), and none for models whose Mamba layers export the
+  prompt checkpoint internally (:func:`vllm_hybrid_backends.align.policy_for_model`). Only
+  requests of models with Mamba groups in align mode are touched.
 - Upstream: vLLM #54076 (chunk ends off the Mamba grid, open); the agentic miss is §4(a) of
   ``vllm_map.md``; junction checkpoints #37898 only help the third request.
 - vLLM versions: 0.32.x, 0.33.x (the method is unchanged but for lookahead plumbing).
@@ -19,11 +22,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from typing import Any
 
 from .. import align
+from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
 
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
 TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split",)
@@ -53,15 +56,16 @@ def _mamba_block_aligned_split(self: Any, request: Any, num_new_tokens: int,
     prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
     if scheduled <= 0 or start >= prefill_end:
         return scheduled
-    policy = align.current_policy()
-    if getattr(self, "mamba_has_prefill_checkpoint_blocks", False):
-        # Mamba2-style layers export the replay-boundary state from inside the forward; tail
-        # splits measured a lower hit rate there (replay: nemotron-h-8b agentic), so only the
-        # grid fix applies until that is understood.
-        policy = dataclasses.replace(policy, tail_checkpoints=0)
+    policy = align.policy_for_model(
+        align.current_policy(),
+        internal_prefill_checkpoints=getattr(self, "mamba_has_prefill_checkpoint_blocks", False))
+    admitted = None
+    if policy.adaptive_retention:
+        ledger = coordinator_patch.LEDGER
+        admitted = lambda kind: ledger.admits(kind, request.request_id)  # noqa: E731
     end = align.chunk_end(start, start + scheduled, request.num_prompt_tokens, prefill_end,
                           split_block_size=self.cache_config.block_size,
-                          state_block_size=self.block_size, policy=policy)
+                          state_block_size=self.block_size, policy=policy, admitted=admitted)
     return max(end - start, 0)
 
 

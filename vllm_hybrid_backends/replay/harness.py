@@ -218,6 +218,8 @@ class _Instruments:
 
         def evict(block: Any) -> bool:
             keys = set(self.pool.cached_block_hashes_by_block.get(block.block_id, ()))
+            if block.block_hash is not None:
+                keys.add(block.block_hash)
             evicted = original(block)
             if evicted:
                 from vllm.v1.core.kv_cache_utils import get_group_id
