@@ -77,6 +77,12 @@ def test_policy_from_the_environment(monkeypatch):
 # ---- the patches, on vLLM's real classes --------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _policy_reread_after_each_test():
+    yield
+    align._active = None
+
+
 @pytest.fixture
 def scheduler_patched():
     scheduler_patch.apply()
@@ -99,6 +105,7 @@ def test_scheduler_patch_clips_vllms_chunk(scheduler_patched, monkeypatch):
     request.num_computed_tokens = 384
     assert scheduler_patched._mamba_block_aligned_split(fake, request, 1116) == 896 - 384
     monkeypatch.setenv(align.TAIL_CHECKPOINTS_ENV, "0")
+    align.refresh_policy()
     request.num_computed_tokens = 0
     assert scheduler_patched._mamba_block_aligned_split(fake, request, 1500) == 1500
 
@@ -120,12 +127,12 @@ def test_coordinator_patch_adds_boundaries_only_while_caching_a_request():
     try:
         assert module.replay_boundaries(1500, 128, False) == original(1500, 128, False)
         request = types.SimpleNamespace(num_tokens=1537, request_id="r")
-        token = coordinator_patch._caching_for.set((request, align.AlignPolicy()))
+        token = coordinator_patch._caching_for.set((request, align.AlignPolicy(), {}))
         try:
             assert module.replay_boundaries(1500, 128, False) == (384, 896, 1152, 1280, 1499, 1536)
         finally:
             coordinator_patch._caching_for.reset(token)
-        token = coordinator_patch._caching_for.set((request, align.AlignPolicy(tail_checkpoints=0)))
+        token = coordinator_patch._caching_for.set((request, align.AlignPolicy(tail_checkpoints=0), {}))
         try:
             assert module.replay_boundaries(1500, 128, False) == (1499, 1536)
         finally:
@@ -154,6 +161,7 @@ def test_coordinator_free_hands_the_pool_one_suffix_ordered_list(monkeypatch):
     coordinator_patch.free(coordinator, "req-1")
     assert [[b.name for b in blocks] for blocks in freed] == [["a1", "m0", "a0"]]
     monkeypatch.setenv(align.SUFFIX_EVICTION_ENV, "0")
+    align.refresh_policy()
     monkeypatch.setitem(coordinator_patch._ORIGINALS, "KVCacheCoordinator.free",
                         lambda self, rid: freed.append(("vllm", rid)))
     coordinator_patch.free(coordinator, "req-2")

@@ -2,7 +2,8 @@
 states are kept. Pure functions of token counts; the patches in :mod:`.patches` only wire them
 into vLLM's scheduler and KV-cache coordinator.
 
-Settings (read once per call from the environment, so a process can switch them):
+Settings (read from the environment when the patches are applied, :func:`refresh_policy`; the
+per-request paths then read no environment variable):
 
 - ``VLLM_HYBRID_TAIL_CHECKPOINTS`` (default 4, ``0`` = off): besides the prompt's last aligned
   boundary (which vLLM keeps), keep up to this many Mamba states at boundaries 1, 2, 4, 8, ...
@@ -88,6 +89,21 @@ def current_policy() -> AlignPolicy:
         suffix_eviction=_flag(SUFFIX_EVICTION_ENV, True),
         adaptive_retention=_flag(ADAPTIVE_RETENTION_ENV, True),
     )
+
+
+_active: AlignPolicy | None = None
+
+
+def active_policy() -> AlignPolicy:
+    """The policy the patches run with (read on first use or by :func:`refresh_policy`)."""
+    return _active if _active is not None else refresh_policy()
+
+
+def refresh_policy() -> AlignPolicy:
+    """Re-read the policy from the environment (the patches do when they are applied)."""
+    global _active
+    _active = current_policy()
+    return _active
 
 
 def policy_for_model(policy: AlignPolicy, *, internal_prefill_checkpoints: bool) -> AlignPolicy:

@@ -43,7 +43,7 @@ TARGET_SYMBOLS = ("replay_boundaries", "KVCacheCoordinator.cache_blocks", "KVCac
 PROCESS = "engine"
 
 _ORIGINALS: dict[str, Any] = {}
-#: (request, policy) while ``cache_blocks`` runs for a request.
+#: (request, policy, memo of admitted boundaries) while ``cache_blocks`` runs for a request.
 _caching_for: contextvars.ContextVar[Any] = contextvars.ContextVar("hybrid_caching_for", default=None)
 #: What this engine process has learned about which extra states get reused (one per process).
 LEDGER = align.RetentionLedger()
@@ -76,33 +76,42 @@ def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int, use_eag
     caching = _caching_for.get()
     if caching is None:
         return base
-    request, policy = caching
-    extra = _admitted_boundaries(request, policy, num_prompt_tokens, scheduler_block_size)
+    request, policy, memo = caching
+    extra = _admitted_boundaries(request, policy, num_prompt_tokens, scheduler_block_size, memo)
     if not extra:
         return base
     return tuple(sorted(set(base).union(p for positions in extra.values() for p in positions)))
 
 
 def _admitted_boundaries(request: Any, policy: align.AlignPolicy, num_prompt_tokens: int,
-                         block_size: int) -> dict[str, tuple[int, ...]]:
-    kinds = align.retained_boundaries_by_kind(num_prompt_tokens, request.num_tokens, block_size,
-                                              policy)
-    return {kind: positions for kind, positions in kinds.items()
-            if positions and (not policy.adaptive_retention
-                              or LEDGER.admits(kind, request.request_id))}
+                         block_size: int, memo: dict[Any, Any]) -> dict[str, tuple[int, ...]]:
+    found = memo.get((num_prompt_tokens, block_size))
+    if found is None:
+        kinds = align.retained_boundaries_by_kind(num_prompt_tokens, request.num_tokens,
+                                                  block_size, policy)
+        found = {kind: positions for kind, positions in kinds.items()
+                 if not policy.adaptive_retention or LEDGER.admits(kind, request.request_id)}
+        memo[(num_prompt_tokens, block_size)] = found
+    return found
 
 
 def _mamba_managers(coordinator: Any) -> list[Any]:
-    return [m for m in coordinator.single_type_managers if hasattr(m, "has_prefill_checkpoint_blocks")]
+    known = getattr(coordinator, "_hybrid_mamba_managers", None)
+    if known is None:
+        known = [m for m in coordinator.single_type_managers
+                 if hasattr(m, "has_prefill_checkpoint_blocks")]
+        coordinator._hybrid_mamba_managers = known
+    return known
 
 
-def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolicy) -> None:
+def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolicy,
+                        memo: dict[Any, Any]) -> None:
     managers = _mamba_managers(coordinator)
     if not managers:
         return
     manager = managers[0]  # every Mamba group keeps the same positions
     size = manager.block_size
-    extra = _admitted_boundaries(request, policy, request.num_prompt_tokens, size)
+    extra = _admitted_boundaries(request, policy, request.num_prompt_tokens, size, memo)
     blocks = manager.req_to_blocks.get(request.request_id, ())
     for kind, positions in extra.items():
         for position in positions:
@@ -118,20 +127,32 @@ def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolic
 
 def _internal_prefill_checkpoints(coordinator: Any) -> bool:
     """The scheduler's ``mamba_has_prefill_checkpoint_blocks``, from the coordinator's managers."""
-    mamba = [m for m in coordinator.single_type_managers if hasattr(m, "has_prefill_checkpoint_blocks")]
-    return bool(mamba) and all(m.has_prefill_checkpoint_blocks for m in mamba)
+    known = getattr(coordinator, "_hybrid_internal_prefill_checkpoints", None)
+    if known is None:
+        mamba = _mamba_managers(coordinator)
+        known = bool(mamba) and all(m.has_prefill_checkpoint_blocks for m in mamba)
+        coordinator._hybrid_internal_prefill_checkpoints = known
+    return known
 
 
 def cache_blocks(self: Any, request: Any, num_computed_tokens: int) -> None:
-    policy = align.policy_for_model(align.current_policy(),
-                                    internal_prefill_checkpoints=_internal_prefill_checkpoints(self))
-    token = _caching_for.set((request, policy))
+    managers = _mamba_managers(self)
+    if all(m.num_cached_block.get(request.request_id, 0) >= num_computed_tokens // m.block_size
+           for m in managers):
+        # No Mamba block becomes full: the boundaries cannot matter (the hot decode path).
+        _ORIGINALS["KVCacheCoordinator.cache_blocks"](self, request, num_computed_tokens)
+        return
+    policy = align.active_policy()
+    if policy.tail_checkpoints and _internal_prefill_checkpoints(self):
+        policy = align.policy_for_model(policy, internal_prefill_checkpoints=True)
+    memo: dict[Any, Any] = {}
+    token = _caching_for.set((request, policy, memo))
     try:
         _ORIGINALS["KVCacheCoordinator.cache_blocks"](self, request, num_computed_tokens)
     finally:
         _caching_for.reset(token)
     if policy.adaptive_retention:
-        _record_kept_states(self, request, policy)
+        _record_kept_states(self, request, policy, memo)
 
 
 def find_longest_cache_hit(self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
@@ -149,7 +170,7 @@ def find_longest_cache_hit(self: Any, block_hashes: Any, max_cache_hit_length: i
 
 def free(self: Any, request_id: str) -> None:
     LEDGER.forget_request(request_id)
-    if not align.current_policy().suffix_eviction:
+    if not align.active_policy().suffix_eviction:
         _ORIGINALS["KVCacheCoordinator.free"](self, request_id)
         return
     groups = [(manager.block_size, manager.pop_blocks_for_free(request_id))
@@ -194,6 +215,7 @@ def _evict_first_among_cached(queue: Any, blocks: list[Any]) -> None:
 
 def apply() -> None:
     global LEDGER
+    align.refresh_policy()
     module = _module()
     if module.HybridKVCacheCoordinator.find_longest_cache_hit is not find_longest_cache_hit:
         LEDGER = align.RetentionLedger()

@@ -57,7 +57,7 @@ def _mamba_block_aligned_split(self: Any, request: Any, num_new_tokens: int,
     if scheduled <= 0 or start >= prefill_end:
         return scheduled
     policy = align.policy_for_model(
-        align.current_policy(),
+        align.active_policy(),
         internal_prefill_checkpoints=getattr(self, "mamba_has_prefill_checkpoint_blocks", False))
     admitted = None
     if policy.adaptive_retention:
@@ -70,6 +70,7 @@ def _mamba_block_aligned_split(self: Any, request: Any, num_new_tokens: int,
 
 
 def apply() -> None:
+    align.refresh_policy()
     cls = _scheduler_class()
     current = cls._mamba_block_aligned_split
     if current is _mamba_block_aligned_split:
