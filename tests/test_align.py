@@ -292,3 +292,33 @@ def test_probation_keeps_lru_order_when_many_uncached_blocks_are_free():
     queue = _queue_with(uncached + late)
     coordinator_patch._evict_first_among_cached(queue, late)
     assert _ids(queue)[-2:] == [100, 101] and queue.num_free_blocks == len(uncached) + 2
+
+
+def test_kept_states_handed_back_mid_run_go_on_probation_once_every_group_is_free(monkeypatch):
+    ledger = align.RetentionLedger()
+    monkeypatch.setattr(coordinator_patch, "LEDGER", ledger)
+    old, state_g1, state_g2 = _block(1, True), _block(5, True), _block(6, True)
+    queue = _queue_with([_block(0, False), old])
+    ledger.record_kept("decode", 5, state_g1.block_hash)
+    kept = {5: (state_g1, state_g1.block_hash, [state_g1, state_g2])}
+    monkeypatch.setitem(coordinator_patch._KEPT_STATES, "r", kept)
+    state_g1.ref_cnt = state_g2.ref_cnt = 0
+    queue.append_n([state_g1])  # group 2 still holds its block: not yet
+    coordinator_patch._release_probation(types.SimpleNamespace(free_block_queue=queue), "r", finished=False)
+    assert _ids(queue) == [0, 1, 5] and 5 in kept
+    queue.append_n([state_g2])
+    coordinator_patch._release_probation(types.SimpleNamespace(free_block_queue=queue), "r", finished=False)
+    assert _ids(queue) == [0, 5, 6, 1] and "r" in coordinator_patch._KEPT_STATES and not kept
+
+
+def test_a_reused_or_proven_state_keeps_its_lru_place(monkeypatch):
+    ledger = align.RetentionLedger()
+    monkeypatch.setattr(coordinator_patch, "LEDGER", ledger)
+    old, state = _block(1, True), _block(5, True)
+    state.ref_cnt = 0
+    queue = _queue_with([old, state])
+    ledger.record_kept("tail-4", 5, state.block_hash)
+    ledger.record_hit(5, state.block_hash)
+    monkeypatch.setitem(coordinator_patch._KEPT_STATES, "r", {5: (state, state.block_hash, [state])})
+    coordinator_patch._release_probation(types.SimpleNamespace(free_block_queue=queue), "r", finished=True)
+    assert _ids(queue) == [1, 5] and "r" not in coordinator_patch._KEPT_STATES

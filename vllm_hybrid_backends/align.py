@@ -156,7 +156,7 @@ def retained_boundaries_by_kind(
     num_prompt_tokens: int, num_tokens: int, block_size: int, policy: AlignPolicy
 ) -> dict[str, tuple[int, ...]]:
     """Extra token positions whose Mamba state the KV-cache manager must keep, by kind."""
-    kinds = {kind: (position,) for kind, position in
+    kinds: dict[str, tuple[int, ...]] = {kind: (position,) for kind, position in
              tail_checkpoints_by_kind(num_prompt_tokens, block_size, policy.tail_checkpoints).items()}
     decoded = decode_boundary(num_prompt_tokens, num_tokens, block_size)
     if policy.decode_checkpoints and decoded is not None:

@@ -2,7 +2,8 @@
 finished request's cached prefix from its end, all groups together.
 
 - Targets: ``vllm.v1.core.kv_cache_coordinator.replay_boundaries``,
-  ``KVCacheCoordinator.cache_blocks``, ``KVCacheCoordinator.free`` and
+  ``KVCacheCoordinator.cache_blocks``, ``KVCacheCoordinator.free``,
+  ``KVCacheCoordinator.remove_skipped_blocks`` and
   ``HybridKVCacheCoordinator.find_longest_cache_hit``.
 - Why: with the default ``prefix_cache_retention_interval=0`` vLLM hashes (keeps) a Mamba state
   only at the prompt's replay boundary and a shared-prefix junction; every other state is freed
@@ -20,9 +21,11 @@ finished request's cached prefix from its end, all groups together.
   With ``VLLM_HYBRID_ADAPTIVE_RETENTION``, a :class:`vllm_hybrid_backends.align.RetentionLedger`
   learns which kinds of extra state get reused: ``cache_blocks`` records the states it kept,
   ``find_longest_cache_hit`` the ones a hit ends on; a kind that is not reused is no longer
-  kept (nor split for, see the scheduler patch), and ``free`` moves never-reused states of an
-  unproven kind in front of every other cached block in vLLM's free queue (after the uncached
-  ones), so a snapshot nobody reuses never evicts an attention prefix.
+  kept (nor split for, see the scheduler patch). When vLLM hands a kept state back to the pool
+  (align mode does so mid-run, in ``remove_skipped_blocks``, or in ``free``) and it was never
+  reused and its kind is unproven, it moves in front of every other cached block in vLLM's free
+  queue (after the uncached ones), so a snapshot nobody reuses never evicts an attention prefix
+  or a state vLLM itself keeps.
 - Upstream: vLLM #50551 (decode-end states for conversation reuse, open); retention semantics in
   ``vllm_map.md`` §4(d).
 - vLLM versions: 0.32.x, 0.33.x (same signatures).
@@ -39,6 +42,7 @@ from .. import align
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_coordinator"
 TARGET_SYMBOLS = ("replay_boundaries", "KVCacheCoordinator.cache_blocks", "KVCacheCoordinator.free",
+                  "KVCacheCoordinator.remove_skipped_blocks",
                   "HybridKVCacheCoordinator.find_longest_cache_hit")
 PROCESS = "engine"
 
@@ -47,6 +51,9 @@ _ORIGINALS: dict[str, Any] = {}
 _caching_for: contextvars.ContextVar[Any] = contextvars.ContextVar("hybrid_caching_for", default=None)
 #: What this engine process has learned about which extra states get reused (one per process).
 LEDGER = align.RetentionLedger()
+#: request id -> {ledger block id: (that block, its hash, the state's blocks in every Mamba group)}
+#: for the extra states it kept, until vLLM hands them back to the pool.
+_KEPT_STATES: dict[str, dict[int, tuple[Any, Any, list[Any]]]] = {}
 
 
 def _module() -> Any:
@@ -62,7 +69,7 @@ def missing() -> list[str]:
     if not callable(getattr(module, "replay_boundaries", None)):
         problems.append("replay_boundaries")
     coordinator = getattr(module, "KVCacheCoordinator", None)
-    for name in ("cache_blocks", "free", "pop_blocks_for_free"):
+    for name in ("cache_blocks", "free", "pop_blocks_for_free", "remove_skipped_blocks"):
         if not callable(getattr(coordinator, name, None)):
             problems.append(f"KVCacheCoordinator.{name}")
     hybrid = getattr(module, "HybridKVCacheCoordinator", None)
@@ -123,6 +130,38 @@ def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolic
                 continue
             if getattr(block, "block_hash_num_tokens", position) == position:
                 LEDGER.record_kept(kind, block.block_id, block.block_hash)
+                group_blocks = [m.req_to_blocks[request.request_id][index] for m in managers
+                                if m.block_size == size
+                                and index < len(m.req_to_blocks.get(request.request_id, ()))]
+                _KEPT_STATES.setdefault(request.request_id, {})[block.block_id] = (
+                    block, block.block_hash, [b for b in group_blocks if not b.is_null])
+
+
+def _release_probation(block_pool: Any, request_id: str, *, finished: bool) -> None:
+    """Move a request's kept extra states that vLLM has handed back to the pool and that are
+    on probation (:meth:`align.RetentionLedger.on_probation`) in front of the cached blocks."""
+    kept = _KEPT_STATES.get(request_id)
+    if not kept:
+        return
+    front: list[Any] = []
+    for key_id, (key, key_hash, blocks) in list(kept.items()):
+        if key.block_hash != key_hash:  # evicted and reused meanwhile
+            del kept[key_id]
+            continue
+        if all(b.ref_cnt == 0 and b.prev_free_block is not None for b in blocks):
+            del kept[key_id]
+            if LEDGER.on_probation(key_id, key_hash):
+                front += [b for b in blocks if b.block_hash is not None]
+    if finished:
+        _KEPT_STATES.pop(request_id, None)
+    if front:
+        _evict_first_among_cached(block_pool.free_block_queue, front)
+
+
+def remove_skipped_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> None:
+    _ORIGINALS["KVCacheCoordinator.remove_skipped_blocks"](self, request_id, *args, **kwargs)
+    if request_id in _KEPT_STATES:
+        _release_probation(self.block_pool, request_id, finished=False)
 
 
 def _internal_prefill_checkpoints(coordinator: Any) -> bool:
@@ -172,15 +211,13 @@ def free(self: Any, request_id: str) -> None:
     LEDGER.forget_request(request_id)
     if not align.active_policy().suffix_eviction:
         _ORIGINALS["KVCacheCoordinator.free"](self, request_id)
+        _release_probation(self.block_pool, request_id, finished=True)
         return
     groups = [(manager.block_size, manager.pop_blocks_for_free(request_id))
               for manager in self.single_type_managers]
     ordered = align.suffix_eviction_order(groups)
-    probation = [block for block in ordered
-                 if block.block_hash is not None and LEDGER.on_probation(block.block_id, block.block_hash)]
     self.block_pool.free_blocks(ordered)
-    if probation:
-        _evict_first_among_cached(self.block_pool.free_block_queue, probation)
+    _release_probation(self.block_pool, request_id, finished=True)
 
 
 #: How far past the uncached free blocks to look for the oldest cached one; beyond it the pool
@@ -219,6 +256,7 @@ def apply() -> None:
     module = _module()
     if module.HybridKVCacheCoordinator.find_longest_cache_hit is not find_longest_cache_hit:
         LEDGER = align.RetentionLedger()
+        _KEPT_STATES.clear()
         _ORIGINALS["HybridKVCacheCoordinator.find_longest_cache_hit"] = (
             module.HybridKVCacheCoordinator.find_longest_cache_hit)
         module.HybridKVCacheCoordinator.find_longest_cache_hit = find_longest_cache_hit
@@ -228,6 +266,10 @@ def apply() -> None:
     if module.KVCacheCoordinator.cache_blocks is not cache_blocks:
         _ORIGINALS["KVCacheCoordinator.cache_blocks"] = module.KVCacheCoordinator.cache_blocks
         module.KVCacheCoordinator.cache_blocks = cache_blocks
+    if module.KVCacheCoordinator.remove_skipped_blocks is not remove_skipped_blocks:
+        _ORIGINALS["KVCacheCoordinator.remove_skipped_blocks"] = (
+            module.KVCacheCoordinator.remove_skipped_blocks)
+        module.KVCacheCoordinator.remove_skipped_blocks = remove_skipped_blocks
     if module.KVCacheCoordinator.free is not free:
         _ORIGINALS["KVCacheCoordinator.free"] = module.KVCacheCoordinator.free
         module.KVCacheCoordinator.free = free
@@ -242,5 +284,8 @@ def revert() -> None:
         module.replay_boundaries = _ORIGINALS.pop("replay_boundaries")
     if "KVCacheCoordinator.cache_blocks" in _ORIGINALS:
         module.KVCacheCoordinator.cache_blocks = _ORIGINALS.pop("KVCacheCoordinator.cache_blocks")
+    if "KVCacheCoordinator.remove_skipped_blocks" in _ORIGINALS:
+        module.KVCacheCoordinator.remove_skipped_blocks = _ORIGINALS.pop(
+            "KVCacheCoordinator.remove_skipped_blocks")
     if "KVCacheCoordinator.free" in _ORIGINALS:
         module.KVCacheCoordinator.free = _ORIGINALS.pop("KVCacheCoordinator.free")
