@@ -344,3 +344,18 @@ def test_adaptive_retention_stops_keeping_decode_states_nobody_resumes_from(monk
     monkeypatch.setenv(align.ADAPTIVE_RETENTION_ENV, "0")
     run_replay(trace, _tiny(), get_policy("plugin"))
     assert coordinator.LEDGER.kept == {}  # off: the ledger records nothing
+
+
+@pytest.mark.parametrize("policy, expected_hit", [("upstream", 0), ("plugin", 40)])
+def test_decode_side_of_pd_resumes_the_next_turn_from_a_decode_state(policy, expected_hit):
+    # "a" arrives with 37 of its 38 prompt tokens computed remotely (P/D): no boundary state
+    # exists locally (37 is off the 8-token grid). Decoding crosses 40; the next turn ("b" =
+    # a's prompt + answer + a new message) resumes there with the plugin, from nothing upstream.
+    prompt = list(range(1000, 1038))
+    trace = Trace("pd", [TraceRequest("a", prompt, [5] * 3),
+                         TraceRequest("b", prompt + [5] * 3 + [9] * 20, [5] * 2, arrival_s=5.0)])
+    result = run_replay(trace, _tiny(), get_policy(policy),
+                        external=lambda rid, local, n: n - 1 - local if rid == "a" else 0)
+    assert result.mismatches == [] and result.requests["a"].external_tokens == 37
+    assert result.requests["a"].hit_tokens == 0  # external tokens are not counted as local hits
+    assert result.requests["b"].hit_tokens == expected_hit
