@@ -33,6 +33,8 @@ def test_a_malformed_trace_line_fails_with_its_line_number(tmp_path, capsys):
                  id="block-size"),
     pytest.param(["--cache-tokens", "100"], "--cache-tokens 100 is less than one block (544",
                  id="below-one-block"),
+    pytest.param(["--timing-repeats", "0"], "--timing-repeats must be a positive integer, got 0",
+                 id="timing-repeats"),
 ])
 def test_bad_sizes_are_rejected(flags, message, capsys):
     assert main(["replay", *flags]) == 2
@@ -85,3 +87,26 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
                                            r"'vllm-hybrid-backends\[plot\]'"):
         plot_capacity_sweep(_tiny_trace(), config, ["upstream"], str(tmp_path / "x.png"))
     assert PLOT_INSTALL_HINT in "pip install 'vllm-hybrid-backends[plot]'"
+
+
+def test_timing_repeats_report_each_policys_lowest_median_step(monkeypatch):
+    from vllm_hybrid_backends.replay import report as report_module
+
+    medians = iter([900.0, 500.0, 700.0, 800.0, 300.0, 600.0])  # upstream, plugin, repeats
+    real_run = report_module.run_replay
+
+    def run(trace, config, policy, **kwargs):
+        result = real_run(trace, config, policy, **kwargs)
+        if not kwargs.get("attention_only"):
+            result.step_us = [next(medians)]
+        return result
+
+    monkeypatch.setattr(report_module, "run_replay", run)
+    config = ReplayConfig(shape=tiny_shape(), platform="any", block_size=8, cache_tokens=4096,
+                          max_num_batched_tokens=16, max_num_seqs=4)
+    result = report_module.compare_policies(_tiny_trace(), config, ["upstream", "plugin"],
+                                            timing_repeats=3)
+    assert result.policies["upstream"].sched_step_us_median == 300.0
+    assert result.policies["plugin"].sched_step_us_median == 500.0
+    with pytest.raises(ValueError, match="timing_repeats=0: allowed values are integers >= 1"):
+        report_module.compare_policies(_tiny_trace(), config, ["upstream"], timing_repeats=0)

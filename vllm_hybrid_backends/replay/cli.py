@@ -45,6 +45,9 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--policy", choices=("upstream", "plugin", "both"), default="both",
                         help="upstream = installed vLLM, plugin off; plugin = with the "
                              "plugin's scheduler-process patches (default: both)")
+    parser.add_argument("--timing-repeats", type=int, metavar="N", default=1,
+                        help="replay each policy N times in all, interleaved, and report its "
+                             "lowest median step time (hit rates do not change; default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="PNG",
                         help="also write hit rate against cache capacity for each policy")
@@ -77,7 +80,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from .report import compare_policies, plot_capacity_sweep, render_table
     from .workloads import TraceError, load_trace, make_workload
 
-    for name, value in (("--block-size", args.block_size), ("--cache-tokens", args.cache_tokens)):
+    for name, value in (("--block-size", args.block_size), ("--cache-tokens", args.cache_tokens),
+                        ("--timing-repeats", args.timing_repeats)):
         if value is not None and value <= 0:
             print(f"error: {name} must be a positive integer, got {value}", file=sys.stderr)
             return 2
@@ -94,11 +98,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     from tqdm import tqdm
 
-    runs = 2 * len(policies)
+    runs = (1 + args.timing_repeats) * len(policies)
     with tqdm(total=runs * len(trace.requests), desc=f"replay {trace.name}", unit="req",
               file=sys.stderr, disable=None) as bar, contextlib.redirect_stdout(sys.stderr):
         try:
-            report = compare_policies(trace, config, policies, progress=bar)
+            report = compare_policies(trace, config, policies, progress=bar,
+                                      timing_repeats=args.timing_repeats)
             points = None
             if args.plot:
                 bar.reset(total=5 * runs * len(trace.requests))
