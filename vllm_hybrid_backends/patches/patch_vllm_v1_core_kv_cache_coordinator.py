@@ -111,6 +111,14 @@ def _mamba_managers(coordinator: Any) -> list[Any]:
     return known
 
 
+def _one_per_block_size(coordinator: Any, managers: list[Any]) -> list[Any]:
+    known = getattr(coordinator, "_hybrid_mamba_per_block_size", None)
+    if known is None:
+        known = list({m.block_size: m for m in managers}.values())
+        coordinator._hybrid_mamba_per_block_size = known
+    return known
+
+
 def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolicy,
                         memo: dict[Any, Any]) -> None:
     managers = _mamba_managers(coordinator)
@@ -176,8 +184,10 @@ def _internal_prefill_checkpoints(coordinator: Any) -> bool:
 
 def cache_blocks(self: Any, request: Any, num_computed_tokens: int) -> None:
     managers = _mamba_managers(self)
-    if all(m.num_cached_block.get(request.request_id, 0) >= num_computed_tokens // m.block_size
-           for m in managers):
+    for manager in _one_per_block_size(self, managers):  # groups of one size cache in lockstep
+        if manager.num_cached_block.get(request.request_id, 0) < num_computed_tokens // manager.block_size:
+            break
+    else:
         # No Mamba block becomes full: the boundaries cannot matter (the hot decode path).
         _ORIGINALS["KVCacheCoordinator.cache_blocks"](self, request, num_computed_tokens)
         return
