@@ -241,8 +241,6 @@ def _evict_first_among_cached(queue: Any, blocks: list[Any]) -> None:
     blocks = [b for b in blocks if b.ref_cnt == 0 and b.prev_free_block is not None]
     if not blocks:
         return
-    for block in blocks:
-        queue.remove(block)
     anchor = queue.fake_free_list_head
     for _ in range(PROBATION_SCAN):
         following = anchor.next_free_block
@@ -250,8 +248,9 @@ def _evict_first_among_cached(queue: Any, blocks: list[Any]) -> None:
             break
         anchor = following
     else:
-        queue.append_n(blocks)
-        return
+        return  # plenty of uncached blocks free: no pressure, LRU order stays
+    for block in blocks:
+        queue.remove(block)
     following = anchor.next_free_block
     for block in blocks:
         anchor.next_free_block, block.prev_free_block = block, anchor
