@@ -40,8 +40,9 @@ def test_decode_boundary_is_kept_from_the_prompt_end_on():
     assert align.decode_boundary(1500, 1500, 128) is None  # still inside the prompt's last block
     assert align.decode_boundary(1500, 1537, 128) == 1536
     assert align.decode_boundary(1536, 1536, 128) == 1536  # an aligned prompt end
-    assert align.retained_boundaries(1500, 1537, 128, DEFAULT) == (384, 896, 1152, 1280, 1536)
-    assert align.retained_boundaries(1500, 1537, 128, OFF) == ()
+    assert align.retained_boundaries_by_kind(1500, 1537, 128, DEFAULT) == {
+        "tail-1": (1280,), "tail-2": (1152,), "tail-4": (896,), "tail-8": (384,), "decode": (1536,)}
+    assert align.retained_boundaries_by_kind(1500, 1537, 128, OFF) == {}
 
 
 def test_chunk_end_stops_at_the_first_checkpoint_inside_the_chunk():

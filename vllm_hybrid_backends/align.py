@@ -164,14 +164,6 @@ def retained_boundaries_by_kind(
     return kinds
 
 
-def retained_boundaries(
-    num_prompt_tokens: int, num_tokens: int, block_size: int, policy: AlignPolicy
-) -> tuple[int, ...]:
-    """Extra token positions whose Mamba state the KV-cache manager must keep (hash)."""
-    kinds = retained_boundaries_by_kind(num_prompt_tokens, num_tokens, block_size, policy)
-    return tuple(sorted({p for positions in kinds.values() for p in positions}))
-
-
 #: Admit every state of a kind until this many were kept (the ledger has nothing to go on).
 RETENTION_WARMUP = 8
 #: Keep admitting a kind while at least one kept state in this many is reused.

@@ -14,7 +14,8 @@ finished request's cached prefix from its end, all groups together.
   outlive the attention prefix they need and push other prefixes out.
 - How: ``cache_blocks`` records the request it is caching for (a context variable) and delegates
   to the original; the wrapped ``replay_boundaries`` returns vLLM's positions plus
-  :func:`vllm_hybrid_backends.align.retained_boundaries` for that request. Only the masks of
+  :func:`vllm_hybrid_backends.align.retained_boundaries_by_kind` for that request (the kinds
+  the retention ledger admits). Only the masks of
   sparse Mamba retention read these positions; attention groups cache every block anyway.
   ``free`` pops every group's blocks (``pop_blocks_for_free``, so subclasses keep their
   bookkeeping) and frees them in :func:`vllm_hybrid_backends.align.suffix_eviction_order`.
@@ -207,13 +208,11 @@ def cache_blocks(self: Any, request: Any, num_computed_tokens: int) -> None:
 def find_longest_cache_hit(self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
     result = _ORIGINALS["HybridKVCacheCoordinator.find_longest_cache_hit"](
         self, block_hashes, max_cache_hit_length)
-    if result[1] > 0:
-        for group, manager in enumerate(self.single_type_managers):
-            if hasattr(manager, "has_prefill_checkpoint_blocks"):
-                hit = result[0][group]
-                if hit and not hit[-1].is_null and hit[-1].block_hash is not None:
-                    LEDGER.record_hit(hit[-1].block_id, hit[-1].block_hash)
-                break
+    managers = _mamba_managers(self)
+    if result[1] > 0 and managers:
+        hit = result[0][self.single_type_managers.index(managers[0])]
+        if hit and not hit[-1].is_null and hit[-1].block_hash is not None:
+            LEDGER.record_hit(hit[-1].block_id, hit[-1].block_hash)
     return result
 
 
