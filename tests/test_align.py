@@ -91,8 +91,9 @@ def scheduler_patched():
     scheduler_patch.revert()
 
 
-def _fake_scheduler(block, min_block, original_result):
-    fake = types.SimpleNamespace(block_size=block, cache_config=types.SimpleNamespace(block_size=min_block))
+def _fake_scheduler(block, min_block, original_result, stores_interior=False):
+    fake = types.SimpleNamespace(block_size=block, cache_config=types.SimpleNamespace(block_size=min_block),
+                                 _hybrid_stores_interior=stores_interior)
     return fake, (lambda self, request, n, local=0, external=0: original_result)
 
 
@@ -109,6 +110,19 @@ def test_scheduler_patch_clips_vllms_chunk(scheduler_patched, monkeypatch):
     align.refresh_policy()
     request.num_computed_tokens = 0
     assert scheduler_patched._mamba_block_aligned_split(fake, request, 1500) == 1500
+
+
+def test_scheduler_patch_does_not_split_where_the_forward_stores_interior_states(scheduler_patched,
+                                                                                monkeypatch):
+    fake, original = _fake_scheduler(128, 128, 1500, stores_interior=True)
+    monkeypatch.setitem(scheduler_patch._ORIGINALS, "_mamba_block_aligned_split", original)
+    monkeypatch.setattr(coordinator_patch, "LEDGER", align.RetentionLedger())
+    request = types.SimpleNamespace(num_computed_tokens=0, num_prompt_tokens=1500, num_tokens=1500,
+                                    request_id="r")
+    assert scheduler_patched._mamba_block_aligned_split(fake, request, 1500) == 1500
+    monkeypatch.setenv(align.INTERIOR_STATES_ENV, "0")
+    align.refresh_policy()
+    assert scheduler_patched._mamba_block_aligned_split(fake, request, 1500) == 384
 
 
 def test_scheduler_patch_reverts_to_vllms_method():
@@ -323,3 +337,43 @@ def test_a_reused_or_proven_state_keeps_its_lru_place(monkeypatch):
     monkeypatch.setitem(coordinator_patch._KEPT_STATES, "r", {5: (state, state.block_hash, [state])})
     coordinator_patch._release_probation(types.SimpleNamespace(free_block_queue=queue), "r", finished=True)
     assert _ids(queue) == [1, 5] and "r" not in coordinator_patch._KEPT_STATES
+
+
+def test_interior_checkpoints_read_real_blocks_the_chunk_crosses():
+    # block 128, chunk [256, 1000): columns 2..6 cross it; 7 holds the running state
+    table = [5, 0, 9, 0, 11, 0, 13, 17]
+    assert align.interior_checkpoints(table, 256, 1000, 128) == [(128, 9), (384, 11), (640, 13)]
+    # column 1 ends exactly at the start: it is the state the chunk resumes from
+    assert align.interior_checkpoints([0, 4, 6, 7], 256, 512, 128) == [(128, 6)]
+    assert align.interior_checkpoints([0, 4, 6], 256, 384, 128) == []
+    # an aligned end: its column holds the running state, never an interior one
+    assert align.interior_checkpoints([0, 0, 3, 4], 0, 512, 128) == [(384, 3)]
+    # a partial first block (a fine-grained hit at 200): column 1 is the hit's copy
+    assert align.interior_checkpoints([0, 8, 9, 10], 200, 512, 128) == [(184, 9)]
+    assert align.interior_checkpoints([], 0, 1000, 128) == []
+
+
+def test_interior_tail_checkpoints_match_the_splits_they_replace():
+    # the chunk splits chunk_end makes without interior states are exactly these checkpoints
+    for start in (0, 384, 512, 1280):
+        stops, position = [], start
+        while position < 1500:
+            position = align.chunk_end(position, 1500, 1500, 1500, 128, 128, DEFAULT)
+            stops.append(position)
+        inside = align.interior_tail_checkpoints(start, 1500, 1500, 128, DEFAULT)
+        assert inside == stops[:-1]
+        assert align.chunk_end(start, 1500, 1500, 1500, 128, 128, DEFAULT,
+                               interior_states=True) == 1500
+    only_4 = lambda kind: kind == "tail-4"  # noqa: E731
+    assert align.interior_tail_checkpoints(0, 1500, 1500, 128, DEFAULT, only_4) == [896]
+    assert align.interior_tail_checkpoints(0, 1500, 1500, 128, OFF) == []
+    assert align.interior_tail_checkpoints(300, 1500, 1500, 128, DEFAULT) == [896, 1152, 1280]
+    assert align.interior_tail_checkpoints(257, 1500, 1500, 128, DEFAULT) == [896, 1152, 1280]
+
+
+def test_interior_states_setting_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv(align.INTERIOR_STATES_ENV, "0")
+    assert align.current_policy().interior_states is False
+    monkeypatch.setenv(align.INTERIOR_STATES_ENV, "maybe")
+    with pytest.raises(ValueError, match="VLLM_HYBRID_INTERIOR_STATES='maybe'"):
+        align.current_policy()

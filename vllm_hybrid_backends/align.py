@@ -22,6 +22,10 @@ per-request paths then read no environment variable):
   states of that kind are being reused (:class:`RetentionLedger`); a kind that is not (decode
   states on agentic prompts that insert the answer before a fixed tail; tail states on chat
   that always resumes past the prompt) stops costing memory and chunk splits.
+- ``VLLM_HYBRID_INTERIOR_STATES`` (default 1): where the Mamba layers' forward can store states
+  at block boundaries inside a prefill chunk (:func:`interior_checkpoints`; vLLM-CPU's gated
+  delta net with this plugin), tail checkpoints get a cache block inside the chunk instead of a
+  chunk split, so they cost no extra forward step. ``0`` always splits.
 - ``VLLM_HYBRID_MAMBA_GRID`` (default 1): when the scheduler's block size is smaller than the
   Mamba block size, floor non-final chunk ends to the Mamba grid, so a state is never cached
   under the wrong boundary (vLLM #54076).
@@ -42,6 +46,7 @@ DECODE_CHECKPOINTS_ENV = "VLLM_HYBRID_DECODE_CHECKPOINTS"
 MAMBA_GRID_ENV = "VLLM_HYBRID_MAMBA_GRID"
 SUFFIX_EVICTION_ENV = "VLLM_HYBRID_SUFFIX_EVICTION"
 ADAPTIVE_RETENTION_ENV = "VLLM_HYBRID_ADAPTIVE_RETENTION"
+INTERIOR_STATES_ENV = "VLLM_HYBRID_INTERIOR_STATES"
 DEFAULT_TAIL_CHECKPOINTS = 4
 #: Kinds of extra state: ``tail-<blocks before the last prompt boundary>`` and decode.
 TAIL, DECODE = "tail", "decode"
@@ -56,6 +61,7 @@ class AlignPolicy:
     mamba_grid: bool = True
     suffix_eviction: bool = True
     adaptive_retention: bool = True
+    interior_states: bool = True
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -88,6 +94,7 @@ def current_policy() -> AlignPolicy:
         mamba_grid=_flag(MAMBA_GRID_ENV, True),
         suffix_eviction=_flag(SUFFIX_EVICTION_ENV, True),
         adaptive_retention=_flag(ADAPTIVE_RETENTION_ENV, True),
+        interior_states=_flag(INTERIOR_STATES_ENV, True),
     )
 
 
@@ -248,6 +255,7 @@ def chunk_end(
     state_block_size: int,
     policy: AlignPolicy,
     admitted: Callable[[str], bool] | None = None,
+    interior_states: bool = False,
 ) -> int:
     """Where a prefill chunk ``[start, end)`` (as vLLM chose it) must stop instead.
 
@@ -257,11 +265,13 @@ def chunk_end(
     coarser, floors a non-final end to the state grid (unless that leaves nothing to schedule:
     a chunk too short to reach the next boundary keeps its end, its state private).
     ``admitted`` (a kind -> bool), when given, leaves out the tail checkpoints it rejects.
+    With ``interior_states`` the forward stores the checkpoints inside the chunk
+    (:func:`interior_checkpoints`), so the chunk is not stopped at them.
     """
     if start >= prefill_end:
         return end
-    checkpoints = tail_checkpoints_by_kind(num_prompt_tokens, state_block_size,
-                                           policy.tail_checkpoints)
+    checkpoints = {} if interior_states else tail_checkpoints_by_kind(
+        num_prompt_tokens, state_block_size, policy.tail_checkpoints)
     stops = sorted(c for kind, c in checkpoints.items()
                    if start < c < end and (admitted is None or admitted(kind)))
     if stops:
@@ -271,6 +281,36 @@ def chunk_end(
         if floored > start:
             end = floored
     return end
+
+
+def interior_tail_checkpoints(start: int, end: int, num_prompt_tokens: int, block_size: int,
+                              policy: AlignPolicy,
+                              admitted: Callable[[str], bool] | None = None) -> list[int]:
+    """The tail checkpoints strictly inside the prefill chunk ``[start, end)`` whose states the
+    KV-cache manager gives a block in that chunk (``interior_states``), ascending."""
+    if not policy.tail_checkpoints or end - start <= block_size:
+        return []
+    first = -(-start // block_size) * block_size  # a partial first block's state is the hit's
+    return sorted(p for kind, p in tail_checkpoints_by_kind(
+        num_prompt_tokens, block_size, policy.tail_checkpoints).items()
+        if first < p < end and p > start and (admitted is None or admitted(kind)))
+
+
+def interior_checkpoints(block_ids: Sequence[int], start: int, end: int, block_size: int,
+                         null_block_id: int = 0) -> list[tuple[int, int]]:
+    """Where a forward over tokens ``[start, end)`` of a request stores states inside the chunk.
+
+    The KV-cache manager pads the columns a chunk skips with the null block; a real block at
+    column ``c`` with ``ceil(start / block_size) <= c`` and ``(c + 1) * block_size < end``
+    asks for the state after token ``(c + 1) * block_size``. (Earlier columns hold the
+    states the request started from; the running state's column ends at or past ``end``.)
+    Returns ``(offset from start, block id)`` pairs, ascending. The worker and the replay's
+    fake model both read the block table through this rule.
+    """
+    first = -(-start // block_size)
+    last = min(len(block_ids), -(-end // block_size) - 1)
+    return [((c + 1) * block_size - start, int(block_ids[c])) for c in range(first, last)
+            if int(block_ids[c]) != null_block_id]
 
 
 def suffix_eviction_order(groups: Sequence[tuple[int, Sequence[T]]]) -> list[T]:

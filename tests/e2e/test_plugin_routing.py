@@ -3,7 +3,8 @@
 - it loads in the front-end, the engine core and the worker, and vLLM's align-mode state moves
   go through the selected backend's hooks (routing);
 - a request that diverges before the previous prompt's last full block gets a prefix hit with
-  the plugin and none without it (tail checkpoints);
+  the plugin and none without it (tail checkpoints, stored from inside the prefill chunk through
+  ``hb_store_checkpoints``: no chunk split);
 - greedy tokens equal a run without prefix caching, with and without the plugin.
 """
 
@@ -69,7 +70,8 @@ def test_plugin_runs_in_every_process_and_routes_state_copies(runs):
                for e in events)
 
     calls = [e for e in events if e["event"] == "hook_called"]
-    assert {(e["hook"], e["backend"]) for e in calls} >= {("hb_copy_state_blocks", "cpu")}, calls
+    assert {(e["hook"], e["backend"]) for e in calls} >= {("hb_copy_state_blocks", "cpu"),
+                                                         ("hb_store_checkpoints", "cpu")}, calls
     assert {e["pid"] for e in calls} <= {e["pid"] for e in installed}
 
 

@@ -359,3 +359,38 @@ def test_decode_side_of_pd_resumes_the_next_turn_from_a_decode_state(policy, exp
     assert result.mismatches == [] and result.requests["a"].external_tokens == 37
     assert result.requests["a"].hit_tokens == 0  # external tokens are not counted as local hits
     assert result.requests["b"].hit_tokens == expected_hit
+
+
+def _edited_resend_trace() -> Trace:
+    # "b" resends a's 100-token prompt edited at token 70: the tail checkpoint at 64 is the
+    # nearest state before the edit (block 8: tails 88, 80, 64, 32)
+    prompt = list(range(2000, 2100))
+    edited = prompt[:70] + [9] + prompt[71:]
+    return Trace("edited", [TraceRequest("a", prompt, [5] * 2),
+                            TraceRequest("b", edited, [5] * 2, arrival_s=5.0)])
+
+
+def test_tail_checkpoints_stored_inside_the_chunk_need_no_split(monkeypatch):
+    from vllm_hybrid_backends import align
+
+    config = _tiny(max_num_batched_tokens=128)
+    inside = run_replay(_edited_resend_trace(), config, get_policy("plugin"))
+    monkeypatch.setenv(align.INTERIOR_STATES_ENV, "0")
+    split = run_replay(_edited_resend_trace(), config, get_policy("plugin"))
+    assert inside.mismatches == [] and split.mismatches == []
+    assert inside.requests["b"].hit_tokens == split.requests["b"].hit_tokens == 64
+    # "a" prefills in one step instead of stopping at 32, 64, 80 and 88; "b" (from 64) instead
+    # of stopping at its own tails 80 and 88
+    assert split.steps - inside.steps == 4 + 2
+    assert inside.blocks_leaked == 0
+
+
+def test_interior_blocks_the_model_does_not_fill_are_reported_as_mismatches(monkeypatch):
+    from vllm_hybrid_backends.replay.oracle import FakeHybridWorker
+
+    monkeypatch.setattr(FakeHybridWorker, "_store_interior", lambda self, *args: None)
+    result = run_replay(_edited_resend_trace(), _tiny(max_num_batched_tokens=128),
+                        get_policy("plugin"))
+    assert result.requests["b"].hit_tokens == 64
+    assert result.mismatches  # one per Mamba group
+    assert {(m.request_id, m.expected_tokens) for m in result.mismatches} == {("b", 64)}

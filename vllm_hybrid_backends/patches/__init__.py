@@ -23,9 +23,12 @@ PATCH_MODULES = (
     "vllm_hybrid_backends.patches.patch_vllm_model_executor_layers_mamba_ops_ssd_combined",
     "vllm_hybrid_backends.patches.patch_vllm_model_executor_layers_mamba_mamba_mixer2",
     "vllm_hybrid_backends.patches.patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention",
+    "vllm_hybrid_backends.patches.patch_vllm_v1_attention_backends_gdn_attn",
     "vllm_hybrid_backends.patches.patch_vllm_ascend_worker_worker",
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_sched_scheduler",
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_kv_cache_coordinator",
+    "vllm_hybrid_backends.patches.patch_vllm_v1_core_kv_cache_manager",
+    "vllm_hybrid_backends.patches.patch_vllm_v1_core_single_type_kv_cache_manager",
 )
 
 

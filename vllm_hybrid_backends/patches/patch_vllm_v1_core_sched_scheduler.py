@@ -12,7 +12,9 @@
   non-final end to the scheduler's LCM block (``VLLM_HYBRID_MAMBA_GRID``). Tail kinds the
   retention ledger does not admit for the request are not stopped at
   (``VLLM_HYBRID_ADAPTIVE_RETENTION``), and none for models whose Mamba layers export the
-  prompt checkpoint internally (:func:`vllm_hybrid_backends.align.policy_for_model`). Only
+  prompt checkpoint internally (:func:`vllm_hybrid_backends.align.policy_for_model`). Where the
+  forward stores tail checkpoints inside the chunk
+  (``patch_vllm_v1_core_single_type_kv_cache_manager``), the chunk is not stopped at them. Only
   requests of models with Mamba groups in align mode are touched.
 - Upstream: vLLM #54076 (chunk ends off the Mamba grid, open); the agentic miss is §4(a) of
   ``vllm_map.md``; junction checkpoints #37898 only help the third request.
@@ -27,6 +29,7 @@ from typing import Any
 
 from .. import align
 from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
+from . import patch_vllm_v1_core_single_type_kv_cache_manager as mamba_manager_patch
 
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
 TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split",)
@@ -65,8 +68,20 @@ def _mamba_block_aligned_split(self: Any, request: Any, num_new_tokens: int,
         admitted = lambda kind: ledger.admits(kind, request.request_id)  # noqa: E731
     end = align.chunk_end(start, start + scheduled, request.num_prompt_tokens, prefill_end,
                           split_block_size=self.cache_config.block_size,
-                          state_block_size=self.block_size, policy=policy, admitted=admitted)
+                          state_block_size=self.block_size, policy=policy, admitted=admitted,
+                          interior_states=policy.interior_states and _stores_interior(self))
     return max(end - start, 0)
+
+
+def _stores_interior(scheduler: Any) -> bool:
+    """Whether every Mamba group's forward stores tail checkpoints inside a chunk."""
+    known = scheduler.__dict__.get("_hybrid_stores_interior")
+    if known is None:
+        managers = coordinator_patch._mamba_managers(scheduler.kv_cache_manager.coordinator)
+        known = bool(managers) and all(
+            mamba_manager_patch.stores_interior(m.kv_cache_spec) for m in managers)
+        scheduler._hybrid_stores_interior = known
+    return known
 
 
 def apply() -> None:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .. import plugins
+from .. import align, plugins
 from ..types import CheckpointBatch, MambaStateTensor, StateKind
 
 __all__ = ["FakeHybridWorker", "Mismatch", "fingerprint"]
@@ -124,6 +124,8 @@ class FakeHybridWorker:
         self.spec = specs[0]
         self.checkpoint_alignment = self.spec.prefill_checkpoint_alignment \
             if self.spec.num_prefill_checkpoint_blocks > 0 else None
+        # vLLM gives interior blocks only to groups without internal checkpoints or spec blocks
+        self.stores_interior = self.checkpoint_alignment is None and num_spec_tokens == 0
         num_blocks = setup.kv_cache_config.num_blocks
         self.state_len = conv_kernel - 1 + num_spec_tokens
         if conv_layout not in ("SD", "DS"):
@@ -290,6 +292,9 @@ class FakeHybridWorker:
                 if self.checkpoint_alignment is not None:
                     self._store_checkpoint(req_id, req, row, ids, start, num_scheduled, length,
                                            value, window, processed)
+                if self.stores_interior:
+                    self._store_interior(req_id, req, row, ids, start, real_end, length, value,
+                                         window, processed)
                 self._write_temporal(req, tokens, row, ids, running_col, length, value,
                                      processed, real_end - start)
 
@@ -366,6 +371,31 @@ class FakeHybridWorker:
             token_end=torch.tensor([len(rows)]), seq_start=torch.tensor([0]),
             initial_block=torch.tensor([-1]), dst_block=torch.tensor([block]),
             temporal_row=torch.tensor([0]))
+        plugins.store_checkpoints(self.states[2 * row: 2 * row + 2],
+                                  [conv_source, temporal_source], batch)
+
+    def _store_interior(self, req_id: str, req: _Request, row: int, ids: list[int], start: int,
+                        end: int, length: int, value: int, window: list[int],
+                        processed: list[int]) -> None:
+        """States at the interior checkpoints the KV-cache manager gave blocks, read from the
+        block table as the worker reads it (:func:`vllm_hybrid_backends.align.interior_checkpoints`)."""
+        points = align.interior_checkpoints(ids, start, end, self.block_size)
+        if not points:
+            return
+        tokens = self.tokens(req_id)
+        # token-major conv input with the initial window in front, so no window reaches before it
+        rows = window + [t + 1 for t in processed]
+        conv_source = torch.tensor(rows, dtype=torch.int64).reshape(-1, 1)
+        temporal_source = torch.tensor(
+            [[length + offset, self._fold(req, tokens, value, start, offset)]
+             for offset, _ in points], dtype=torch.int64)
+        count = len(points)
+        batch = CheckpointBatch(
+            token_end=torch.tensor([len(window) + offset for offset, _ in points]),
+            seq_start=torch.zeros(count, dtype=torch.int64),
+            initial_block=torch.full((count,), -1, dtype=torch.int64),
+            dst_block=torch.tensor([block for _, block in points]),
+            temporal_row=torch.arange(count))
         plugins.store_checkpoints(self.states[2 * row: 2 * row + 2],
                                   [conv_source, temporal_source], batch)
 
