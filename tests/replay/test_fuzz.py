@@ -5,8 +5,10 @@ arriving at random times) replayed with a random configuration: chunked prefill 
 token budgets, tiny caches that force preemption, Mamba groups whose block size differs from
 the attention block size, sub-block prefix hits with copy-on-write copies, external computed
 tokens from a fake P/D connector, speculative decoding with random accept patterns, both conv
-layouts and both state kinds (gated delta net; Mamba2 with in-forward prefill checkpoints). Every stream must end with zero state mismatches
-and the block pool back to empty.
+layouts and both state kinds (gated delta net; Mamba2 with in-forward prefill checkpoints),
+under vLLM's own policy or the plugin's (tail checkpoints stored inside the chunk, decode
+checkpoints, adaptive retention with probation, suffix eviction). Every stream must end with
+zero state mismatches and the block pool back to empty.
 
 ``make test`` runs the ``default`` profile (a few dozen streams, well under a minute once vLLM
 is imported); ``make fuzz`` runs >= 10 000.
@@ -102,7 +104,8 @@ def streams(draw):
             # crash, see test_harness.py::test_external_tokens_in_a_full_pool).
             config = replace(config, cache_tokens=4 * need_blocks * block)
 
-    return Stream(Trace("fuzz", requests), config, accept, loads)
+    policy = draw(st.sampled_from(["plugin", "plugin", "upstream"]))
+    return Stream(Trace("fuzz", requests), config, accept, loads, policy)
 
 
 @dataclass
@@ -115,6 +118,8 @@ class Stream:
     accept_pattern: list[int]
     #: P/D: tokens of each request's prompt a remote prefill delivers (None: no connector)
     external_loads: dict[str, int] | None
+    #: ``upstream`` or ``plugin``
+    policy: str
 
     def run(self):
         pattern = itertools.cycle(self.accept_pattern)
@@ -122,7 +127,7 @@ class Stream:
         external = None
         if loads is not None:
             external = lambda rid, local, n: max(0, loads.get(rid, 0) - local)  # noqa: E731
-        return run_replay(self.trace, self.config, get_policy("upstream"),
+        return run_replay(self.trace, self.config, get_policy(self.policy),
                           accept=lambda rid, k: min(next(pattern), k), external=external)
 
 

@@ -28,7 +28,6 @@ PATCH_MODULES = (
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_sched_scheduler",
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_kv_cache_coordinator",
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_kv_cache_manager",
-    "vllm_hybrid_backends.patches.patch_vllm_v1_core_single_type_kv_cache_manager",
 )
 
 

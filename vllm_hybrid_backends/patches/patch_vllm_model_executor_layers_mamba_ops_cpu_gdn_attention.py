@@ -6,7 +6,7 @@ Interior states:
 - Target: ``vllm.model_executor.layers.mamba.ops.cpu.gdn_attention._cpu_gdn_attention_nonspec``
   (the CPU GDN forward without speculative decoding, called by ``cpu_gdn_attention_core``).
 - Why: the KV-cache manager gives the plugin's tail checkpoints blocks inside a prefill chunk
-  instead of splitting it (``patch_vllm_v1_core_single_type_kv_cache_manager``); vLLM's CPU
+  instead of splitting it (``patch_vllm_v1_core_kv_cache_coordinator``); vLLM's CPU
   forward writes only each row's final state.
 - How: when the metadata carries interior checkpoints
   (``patch_vllm_v1_attention_backends_gdn_attn``), :func:`forward_with_interior_states` runs the

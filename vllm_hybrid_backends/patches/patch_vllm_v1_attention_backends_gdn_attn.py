@@ -2,7 +2,7 @@
 
 - Target: ``vllm.v1.attention.backends.gdn_attn.GDNAttentionMetadataBuilder.build``.
 - Why: the KV-cache manager gives the plugin's tail checkpoints a block inside a prefill chunk
-  (``patch_vllm_v1_core_single_type_kv_cache_manager``); vLLM's GDN metadata keeps only each
+  (``patch_vllm_v1_core_kv_cache_coordinator``); vLLM's GDN metadata keeps only each
   row's running-state index, so the forward cannot see those blocks.
 - How: after vLLM's build, each prefill row's block-table row is read with
   :func:`vllm_hybrid_backends.align.interior_checkpoints` (a real block at a column the chunk

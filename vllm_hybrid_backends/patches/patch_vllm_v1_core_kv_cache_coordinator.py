@@ -3,8 +3,9 @@ finished request's cached prefix from its end, all groups together.
 
 - Targets: ``vllm.v1.core.kv_cache_coordinator.replay_boundaries``,
   ``KVCacheCoordinator.cache_blocks``, ``KVCacheCoordinator.free``,
-  ``KVCacheCoordinator.remove_skipped_blocks`` and
-  ``HybridKVCacheCoordinator.find_longest_cache_hit``.
+  ``KVCacheCoordinator.remove_skipped_blocks``,
+  ``KVCacheCoordinator.get_num_blocks_to_allocate``, ``KVCacheCoordinator.allocate_new_blocks``
+  and ``HybridKVCacheCoordinator.find_longest_cache_hit``.
 - Why: with the default ``prefix_cache_retention_interval=0`` vLLM hashes (keeps) a Mamba state
   only at the prompt's replay boundary and a shared-prefix junction; every other state is freed
   unhashed, so the tail checkpoints the scheduler patch stops at, and the states crossed while
@@ -27,8 +28,23 @@ finished request's cached prefix from its end, all groups together.
   reused and its kind is unproven, it moves in front of every other cached block in vLLM's free
   queue (after the uncached ones), so a snapshot nobody reuses never evicts an attention prefix
   or a state vLLM itself keeps.
+- Interior states (``VLLM_HYBRID_INTERIOR_STATES``, issue #5 item 4): in align mode a chunk's
+  only new state is its last one, every block it skips is padded with the null block, so keeping
+  a tail checkpoint meant ending a chunk there (one more forward step, all layers, per
+  checkpoint). Where the Mamba layers' forward stores states inside a chunk
+  (:func:`stores_interior`: vLLM-CPU's gated delta net with this plugin's worker patches, or the
+  replay's fake model), ``get_num_blocks_to_allocate`` adds one block per admitted tail
+  checkpoint strictly inside the chunk (:func:`vllm_hybrid_backends.align.interior_tail_checkpoints`)
+  to vLLM's count and remembers the columns; ``allocate_new_blocks`` puts a fresh block where
+  vLLM padded those columns with the null block. The worker finds them in its block table
+  (:func:`vllm_hybrid_backends.align.interior_checkpoints`) and stores the states through
+  ``hb_store_checkpoints``; ``cache_blocks`` hashes them like any kept boundary, and
+  ``remove_skipped_blocks`` hands them back to the pool after the step, still cached. The
+  request comes from ``patch_vllm_v1_core_kv_cache_manager``. Requests with a partial-block hit,
+  speculative blocks or an internal prefill checkpoint keep vLLM's allocation (the scheduler
+  then splits, as before).
 - Upstream: vLLM #50551 (decode-end states for conversation reuse, open); retention semantics in
-  ``vllm_map.md`` §4(d).
+  ``vllm_map.md`` §4(d) (interior states: option A there).
 - vLLM versions: 0.32.x, 0.33.x (same signatures).
 - Removal: when vLLM keeps caller-chosen boundaries itself.
 """
@@ -40,11 +56,16 @@ import importlib
 from typing import Any
 
 from .. import align
+from . import patch_vllm_v1_core_kv_cache_manager as manager_patch
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_coordinator"
 TARGET_SYMBOLS = ("replay_boundaries", "KVCacheCoordinator.cache_blocks", "KVCacheCoordinator.free",
                   "KVCacheCoordinator.remove_skipped_blocks",
+                  "KVCacheCoordinator.get_num_blocks_to_allocate",
+                  "KVCacheCoordinator.allocate_new_blocks",
                   "HybridKVCacheCoordinator.find_longest_cache_hit")
+_WRAPPED = ("cache_blocks", "free", "remove_skipped_blocks", "get_num_blocks_to_allocate",
+            "allocate_new_blocks")
 PROCESS = "engine"
 
 _ORIGINALS: dict[str, Any] = {}
@@ -70,7 +91,7 @@ def missing() -> list[str]:
     if not callable(getattr(module, "replay_boundaries", None)):
         problems.append("replay_boundaries")
     coordinator = getattr(module, "KVCacheCoordinator", None)
-    for name in ("cache_blocks", "free", "pop_blocks_for_free", "remove_skipped_blocks"):
+    for name in (*_WRAPPED, "pop_blocks_for_free"):
         if not callable(getattr(coordinator, name, None)):
             problems.append(f"KVCacheCoordinator.{name}")
     hybrid = getattr(module, "HybridKVCacheCoordinator", None)
@@ -229,6 +250,128 @@ def free(self: Any, request_id: str) -> None:
     _release_probation(self.block_pool, request_id, finished=True)
 
 
+#: Mamba layer kinds (vLLM's ``MambaAttentionBackendEnum`` names) whose forward on vLLM-CPU
+#: stores interior states through this plugin's worker patches.
+CPU_INTERIOR_KINDS = frozenset({"GDN_ATTN"})
+#: Set by the replay harness, whose fake model stores interior states for every kind; None
+#: means "decide from the platform".
+interior_override: bool | None = None
+_worker_patches_checked: list[bool] = []
+
+
+def stores_interior(spec: Any) -> bool:
+    """Whether the forward of this Mamba group's layers stores states inside a prefill chunk."""
+    if (getattr(spec, "mamba_cache_mode", None) != "align" or spec.num_speculative_blocks
+            or spec.num_prefill_checkpoint_blocks):
+        return False
+    if interior_override is not None:
+        return interior_override
+    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+    return kind in CPU_INTERIOR_KINDS and _cpu_platform() and _worker_patches_apply()
+
+
+def _cpu_platform() -> bool:
+    try:
+        from vllm.platforms import current_platform
+        return bool(current_platform.is_cpu())
+    except Exception:
+        return False
+
+
+def _worker_patches_apply() -> bool:
+    """Whether the worker processes (same vLLM) apply this plugin's patches, which store the
+    interior states: all or none of them apply, so a lacking one means no interior blocks."""
+    if not _worker_patches_checked:
+        from . import is_optional, patch_modules
+
+        _worker_patches_checked.append(all(
+            not module.missing() for module in patch_modules("worker") if not is_optional(module)))
+    return _worker_patches_checked[0]
+
+
+def _interior_managers(coordinator: Any) -> list[tuple[int, Any]]:
+    """(group index, manager) of the Mamba groups whose forward stores interior states."""
+    known = coordinator.__dict__.get("_hybrid_interior_managers")
+    if known is None:
+        known = [(coordinator.single_type_managers.index(m), m) for m in _mamba_managers(coordinator)
+                 if stores_interior(m.kv_cache_spec)]
+        coordinator._hybrid_interior_managers = known
+    return known
+
+
+def _interior_columns(manager: Any, request: Any, start: int, end: int) -> list[int]:
+    policy = align.active_policy()
+    if (not policy.interior_states or request.request_id in manager._partial_hit_reqs
+            or start >= max(request.num_prompt_tokens, request.num_tokens - 1)):
+        return []
+    admitted = None
+    if policy.adaptive_retention:
+        request_id = request.request_id
+        admitted = lambda kind: LEDGER.admits(kind, request_id)  # noqa: E731
+    size = manager.block_size
+    return [p // size - 1 for p in align.interior_tail_checkpoints(
+        start, end, request.num_prompt_tokens, size, policy, admitted)]
+
+
+def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
+                               new_computed_blocks: Any, num_encoder_tokens: int,
+                               total_computed_tokens: int, num_local_computed_tokens: int,
+                               num_tokens_main_model: int, apply_admission_cap: bool = False,
+                               prefill_end: int = 0) -> int:
+    count = _ORIGINALS["KVCacheCoordinator.get_num_blocks_to_allocate"](
+        self, request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
+        total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
+        apply_admission_cap=apply_admission_cap, prefill_end=prefill_end)
+    managers = _interior_managers(self)
+    if not managers:
+        return count
+    request = manager_patch.allocating_for.get()
+    inside = (num_tokens_main_model - total_computed_tokens > managers[0][1].block_size
+              and request is not None and request.request_id == request_id)
+    for group, manager in managers:
+        columns: list[int] = []
+        if inside and not manager._has_partial_local_hit(new_computed_blocks[group],
+                                                         num_local_computed_tokens):
+            columns = _interior_columns(manager, request, total_computed_tokens,
+                                        num_tokens_main_model)
+        count += len(columns)
+        if not apply_admission_cap:
+            if columns:
+                manager.__dict__.setdefault("_hybrid_interior_plans", {})[request_id] = columns
+            else:
+                plans = manager.__dict__.get("_hybrid_interior_plans")
+                if plans:
+                    plans.pop(request_id, None)
+    return count
+
+
+def allocate_new_blocks(self: Any, request_id: str, num_tokens: int, num_tokens_main_model: int,
+                        num_encoder_tokens: int = 0) -> Any:
+    planned = []
+    for _, manager in _interior_managers(self):
+        plans = manager.__dict__.get("_hybrid_interior_plans")
+        plan = plans.pop(request_id, None) if plans else None
+        if plan:
+            planned.append((manager, plan, len(manager.req_to_blocks[request_id])))
+    returned = _ORIGINALS["KVCacheCoordinator.allocate_new_blocks"](
+        self, request_id, num_tokens, num_tokens_main_model, num_encoder_tokens)
+    if not planned:
+        return returned
+    returned = list(returned)
+    for manager, plan, before in planned:
+        blocks = manager.req_to_blocks[request_id]
+        columns = [c for c in plan if before <= c < len(blocks) and blocks[c].is_null]
+        if not columns:
+            continue
+        for column, block in zip(columns, manager.block_pool.get_new_blocks(len(columns))):
+            blocks[column] = block
+        # vLLM returns the blocks appended to the request (after a copy-on-write block, if any)
+        group = self.single_type_managers.index(manager)
+        appended = len(blocks) - before
+        returned[group] = list(returned[group][:len(returned[group]) - appended]) + blocks[before:]
+    return tuple(returned)
+
+
 #: How far past the uncached free blocks to look for the oldest cached one; beyond it the pool
 #: has that many uncached blocks free, nothing is under pressure and LRU order is kept.
 PROBATION_SCAN = 64
@@ -271,16 +414,11 @@ def apply() -> None:
     if module.replay_boundaries is not replay_boundaries:
         _ORIGINALS["replay_boundaries"] = module.replay_boundaries
         module.replay_boundaries = replay_boundaries
-    if module.KVCacheCoordinator.cache_blocks is not cache_blocks:
-        _ORIGINALS["KVCacheCoordinator.cache_blocks"] = module.KVCacheCoordinator.cache_blocks
-        module.KVCacheCoordinator.cache_blocks = cache_blocks
-    if module.KVCacheCoordinator.remove_skipped_blocks is not remove_skipped_blocks:
-        _ORIGINALS["KVCacheCoordinator.remove_skipped_blocks"] = (
-            module.KVCacheCoordinator.remove_skipped_blocks)
-        module.KVCacheCoordinator.remove_skipped_blocks = remove_skipped_blocks
-    if module.KVCacheCoordinator.free is not free:
-        _ORIGINALS["KVCacheCoordinator.free"] = module.KVCacheCoordinator.free
-        module.KVCacheCoordinator.free = free
+    for name in _WRAPPED:
+        wrapper = globals()[name]
+        if getattr(module.KVCacheCoordinator, name) is not wrapper:
+            _ORIGINALS[f"KVCacheCoordinator.{name}"] = getattr(module.KVCacheCoordinator, name)
+            setattr(module.KVCacheCoordinator, name, wrapper)
 
 
 def revert() -> None:
@@ -290,10 +428,6 @@ def revert() -> None:
             "HybridKVCacheCoordinator.find_longest_cache_hit")
     if "replay_boundaries" in _ORIGINALS:
         module.replay_boundaries = _ORIGINALS.pop("replay_boundaries")
-    if "KVCacheCoordinator.cache_blocks" in _ORIGINALS:
-        module.KVCacheCoordinator.cache_blocks = _ORIGINALS.pop("KVCacheCoordinator.cache_blocks")
-    if "KVCacheCoordinator.remove_skipped_blocks" in _ORIGINALS:
-        module.KVCacheCoordinator.remove_skipped_blocks = _ORIGINALS.pop(
-            "KVCacheCoordinator.remove_skipped_blocks")
-    if "KVCacheCoordinator.free" in _ORIGINALS:
-        module.KVCacheCoordinator.free = _ORIGINALS.pop("KVCacheCoordinator.free")
+    for name in _WRAPPED:
+        if f"KVCacheCoordinator.{name}" in _ORIGINALS:
+            setattr(module.KVCacheCoordinator, name, _ORIGINALS.pop(f"KVCacheCoordinator.{name}"))

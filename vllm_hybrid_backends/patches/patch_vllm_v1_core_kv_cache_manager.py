@@ -1,14 +1,14 @@
-"""Tell the Mamba managers which request a block allocation is for.
+"""Tell the KV-cache coordinator which request a block allocation is for.
 
 - Target: ``vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots``.
-- Why: ``MambaManager.get_num_blocks_to_allocate`` and ``allocate_new_blocks`` get only a
-  request id and token counts; where the plugin's tail checkpoints fall depends on the
-  request's prompt length (see ``patch_vllm_v1_core_single_type_kv_cache_manager``).
+- Why: ``KVCacheCoordinator.get_num_blocks_to_allocate`` and ``allocate_new_blocks`` get only a
+  request id and token counts; where the plugin's interior tail checkpoints fall depends on the
+  request's prompt length (see ``patch_vllm_v1_core_kv_cache_coordinator``).
 - How: the wrapper sets :data:`allocating_for` (a context variable) to the request while the
   original runs; nothing else changes.
 - Upstream: none (no seam passes the request down).
 - vLLM versions: 0.32.x, 0.33.x (same signature).
-- Removal: with ``patch_vllm_v1_core_single_type_kv_cache_manager``.
+- Removal: with the interior states of ``patch_vllm_v1_core_kv_cache_coordinator``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@
   (``VLLM_HYBRID_ADAPTIVE_RETENTION``), and none for models whose Mamba layers export the
   prompt checkpoint internally (:func:`vllm_hybrid_backends.align.policy_for_model`). Where the
   forward stores tail checkpoints inside the chunk
-  (``patch_vllm_v1_core_single_type_kv_cache_manager``), the chunk is not stopped at them. Only
+  (``patch_vllm_v1_core_kv_cache_coordinator``), the chunk is not stopped at them. Only
   requests of models with Mamba groups in align mode are touched.
 - Upstream: vLLM #54076 (chunk ends off the Mamba grid, open); the agentic miss is §4(a) of
   ``vllm_map.md``; junction checkpoints #37898 only help the third request.
@@ -29,7 +29,6 @@ from typing import Any
 
 from .. import align
 from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
-from . import patch_vllm_v1_core_single_type_kv_cache_manager as mamba_manager_patch
 
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
 TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split",)
@@ -79,7 +78,7 @@ def _stores_interior(scheduler: Any) -> bool:
     if known is None:
         managers = coordinator_patch._mamba_managers(scheduler.kv_cache_manager.coordinator)
         known = bool(managers) and all(
-            mamba_manager_patch.stores_interior(m.kv_cache_spec) for m in managers)
+            coordinator_patch.stores_interior(m.kv_cache_spec) for m in managers)
         scheduler._hybrid_stores_interior = known
     return known
 

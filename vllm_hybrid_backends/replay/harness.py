@@ -321,17 +321,17 @@ def run_replay(trace: Trace, config: ReplayConfig, policy: Policy, *,
         connector supplies (loaded synchronously, with the exact Mamba state).
     :param progress: optional tqdm-like object; ``update(n)`` is called per finished request.
     """
-    from ..patches import patch_vllm_v1_core_single_type_kv_cache_manager as mamba_manager_patch
+    from ..patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
 
     # the fake model stores interior states for every kind of Mamba layer
-    previous, mamba_manager_patch.interior_override = (mamba_manager_patch.interior_override,
+    previous, coordinator_patch.interior_override = (coordinator_patch.interior_override,
                                                        not attention_only)
     try:
         with policy.active() as patches:
             result = _Run(trace, config, policy, attention_only, bound_hits or {},
                           accept or _default_accept(), external, progress).run()
     finally:
-        mamba_manager_patch.interior_override = previous
+        coordinator_patch.interior_override = previous
     result.patches = patches
     return result
 
