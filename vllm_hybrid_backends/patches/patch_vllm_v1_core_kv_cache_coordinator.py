@@ -94,6 +94,13 @@ def missing() -> list[str]:
     for name in (*_WRAPPED, "pop_blocks_for_free"):
         if not callable(getattr(coordinator, name, None)):
             problems.append(f"KVCacheCoordinator.{name}")
+    try:
+        mamba = importlib.import_module("vllm.v1.core.single_type_kv_cache_manager").MambaManager
+    except Exception as exc:
+        problems.append(f"MambaManager: {exc}")
+    else:
+        if not callable(getattr(mamba, "_has_partial_local_hit", None)):
+            problems.append("MambaManager._has_partial_local_hit")
     hybrid = getattr(module, "HybridKVCacheCoordinator", None)
     if not callable(getattr(hybrid, "find_longest_cache_hit", None)):
         problems.append("HybridKVCacheCoordinator.find_longest_cache_hit")
