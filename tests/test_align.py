@@ -27,13 +27,37 @@ def test_tail_checkpoints_double_away_from_the_last_boundary():
     assert align.tail_checkpoints(129, 128, 4) == ()
 
 
+def test_dense_tail_checkpoints_cover_every_block_up_to_the_same_reach():
+    assert align.tail_checkpoints(1500, 128, 4, dense=True) == (384, 512, 640, 768, 896, 1024,
+                                                                1152, 1280)
+    assert align.tail_checkpoints(1500, 128, 2, dense=True) == (1152, 1280)
+    assert align.tail_checkpoints(1500, 128, 64, dense=True)[0] == 128  # stops before token 0
+    assert align.tail_checkpoints(200, 128, 4, dense=True) == ()
+    kinds = align.tail_checkpoints_by_kind(1500, 128, 4, dense=True)
+    assert list(kinds) == [f"tail-{d}" for d in range(1, 9)]
+
+
+def test_policy_for_model_makes_tails_dense_only_where_they_are_stored_inside_the_chunk():
+    assert align.policy_for_model(DEFAULT, internal_prefill_checkpoints=False).dense_tails is False
+    dense = align.policy_for_model(DEFAULT, internal_prefill_checkpoints=False, interior_states=True)
+    assert dense.dense_tails is True
+    no_interior = align.AlignPolicy(interior_states=False)
+    assert align.policy_for_model(no_interior, internal_prefill_checkpoints=False,
+                                  interior_states=True).dense_tails is False
+    assert align.policy_for_model(DEFAULT, internal_prefill_checkpoints=True,
+                                  interior_states=True).tail_checkpoints == 0
+    assert align.retained_boundaries_by_kind(1500, 1500, 128, dense)["tail-3"] == (1024,)
+
+
 @pytest.mark.parametrize("prompt", [1, 127, 128, 129, 1000, 4096, 100_003])
 @pytest.mark.parametrize("block", [16, 128, 528])
-def test_tail_checkpoints_are_aligned_distinct_and_before_the_last_boundary(prompt, block):
+@pytest.mark.parametrize("dense", [False, True])
+def test_tail_checkpoints_are_aligned_distinct_and_before_the_last_boundary(prompt, block, dense):
     last = align.last_prompt_boundary(prompt, block)
-    points = align.tail_checkpoints(prompt, block, 8)
-    assert len(points) == len(set(points)) <= 8
+    points = align.tail_checkpoints(prompt, block, 8, dense=dense)
+    assert len(points) == len(set(points)) <= (128 if dense else 8)
     assert all(0 < p < last and p % block == 0 for p in points)
+    assert all(last - p <= 128 * block for p in points)
 
 
 def test_decode_boundary_is_kept_from_the_prompt_end_on():

@@ -6,10 +6,12 @@ Settings (read from the environment when the patches are applied, :func:`refresh
 per-request paths then read no environment variable):
 
 - ``VLLM_HYBRID_TAIL_CHECKPOINTS`` (default 4, ``0`` = off): besides the prompt's last aligned
-  boundary (which vLLM keeps), keep up to this many Mamba states at boundaries 1, 2, 4, 8, ...
-  blocks before it. A later request that diverges inside the prompt then resumes from the
-  nearest one instead of recomputing from zero (vLLM's own junction checkpoint only helps the
-  *third* request of a branch).
+  boundary (which vLLM keeps), keep Mamba states up to ``2 ** (N - 1)`` blocks before it: at 1,
+  2, 4, 8, ... blocks where each costs a chunk split, at every block where the forward stores
+  them inside the chunk (``VLLM_HYBRID_INTERIOR_STATES``; adaptive retention then keeps the
+  distances that get reused). A later request that diverges inside the prompt resumes from
+  the nearest one instead of recomputing from zero (vLLM's own junction checkpoint only helps
+  the *third* request of a branch).
 - ``VLLM_HYBRID_DECODE_CHECKPOINTS`` (default 1): keep the Mamba state at every block boundary
   crossed while decoding, so the next turn of a conversation (prompt + output + new message)
   hits past the output (vLLM #50551).
@@ -62,6 +64,9 @@ class AlignPolicy:
     suffix_eviction: bool = True
     adaptive_retention: bool = True
     interior_states: bool = True
+    #: a tail state at every block up to the reach (set by :func:`policy_for_model` where
+    #: the forward stores them inside the chunk), else at doubling distances
+    dense_tails: bool = False
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -113,15 +118,20 @@ def refresh_policy() -> AlignPolicy:
     return _active
 
 
-def policy_for_model(policy: AlignPolicy, *, internal_prefill_checkpoints: bool) -> AlignPolicy:
+def policy_for_model(policy: AlignPolicy, *, internal_prefill_checkpoints: bool,
+                     interior_states: bool = False) -> AlignPolicy:
     """``policy`` as it applies to one model: the scheduler and the cache must agree on it.
 
     Tail checkpoints are off when the Mamba layers export the prompt checkpoint from inside the
     forward (Mamba2: vLLM's ``num_prefill_checkpoint_blocks``): the extra states measured a lower
-    hit rate there (replay, nemotron-h-8b agentic: 0.125 against upstream's 0.228).
+    hit rate there (replay, nemotron-h-8b agentic: 0.125 against upstream's 0.228). Where the
+    forward stores tail states inside the chunk (``interior_states``) they cost no forward step,
+    so every block up to the reach is a candidate (``dense_tails``).
     """
     if internal_prefill_checkpoints and policy.tail_checkpoints:
         return replace(policy, tail_checkpoints=0)
+    if interior_states and policy.interior_states and not policy.dense_tails:
+        return replace(policy, dense_tails=True)
     return policy
 
 
@@ -130,27 +140,32 @@ def last_prompt_boundary(num_prompt_tokens: int, block_size: int) -> int:
     return max(num_prompt_tokens - 1, 0) // block_size * block_size
 
 
-def tail_checkpoints_by_kind(num_prompt_tokens: int, block_size: int,
-                             count: int) -> dict[str, int]:
-    """Boundaries 1, 2, 4, ... blocks before the prompt's last boundary (at most ``count``),
-    keyed by their kind ``"tail-<distance in blocks>"``.
+def tail_checkpoints_by_kind(num_prompt_tokens: int, block_size: int, count: int,
+                             dense: bool = False) -> dict[str, int]:
+    """Boundaries before the prompt's last boundary, up to ``2 ** (count - 1)`` blocks back,
+    keyed by their kind ``"tail-<distance in blocks>"``: at 1, 2, 4, ... blocks, or with
+    ``dense`` at every block.
 
-    Spacing doubles away from the end: divergence near the end (agentic histories, edited
-    turns) loses at most the distance to the end, and a prompt of ``n`` blocks keeps
-    ``O(log n)`` extra states.
+    Doubling keeps ``O(log n)`` extra states for a prompt of ``n`` blocks, and divergence near
+    the end (agentic histories, edited turns) loses at most the distance to the end; dense
+    candidates let the retention ledger find the distance at which a workload diverges.
     """
+    if count <= 0:
+        return {}
     last = last_prompt_boundary(num_prompt_tokens, block_size)
-    kinds: dict[str, int] = {}
-    distance = 1
-    while len(kinds) < count and last - distance * block_size > 0:
-        kinds[f"{TAIL}-{distance}"] = last - distance * block_size
-        distance *= 2
-    return kinds
+    farthest = min(last // block_size - 1, 1 << min(count - 1, 62))  # positions stay > 0
+    if dense:
+        distances = list(range(1, farthest + 1))
+    else:
+        distances = [1 << i for i in range(count) if 1 << i <= farthest]
+    return {f"{TAIL}-{d}": last - d * block_size for d in distances}
 
 
-def tail_checkpoints(num_prompt_tokens: int, block_size: int, count: int) -> tuple[int, ...]:
+def tail_checkpoints(num_prompt_tokens: int, block_size: int, count: int,
+                     dense: bool = False) -> tuple[int, ...]:
     """The positions of :func:`tail_checkpoints_by_kind`, ascending."""
-    return tuple(sorted(tail_checkpoints_by_kind(num_prompt_tokens, block_size, count).values()))
+    return tuple(sorted(tail_checkpoints_by_kind(num_prompt_tokens, block_size, count,
+                                                 dense).values()))
 
 
 def decode_boundary(num_prompt_tokens: int, num_tokens: int, block_size: int) -> int | None:
@@ -164,7 +179,8 @@ def retained_boundaries_by_kind(
 ) -> dict[str, tuple[int, ...]]:
     """Extra token positions whose Mamba state the KV-cache manager must keep, by kind."""
     kinds: dict[str, tuple[int, ...]] = {kind: (position,) for kind, position in
-             tail_checkpoints_by_kind(num_prompt_tokens, block_size, policy.tail_checkpoints).items()}
+             tail_checkpoints_by_kind(num_prompt_tokens, block_size, policy.tail_checkpoints,
+                                      policy.dense_tails).items()}
     decoded = decode_boundary(num_prompt_tokens, num_tokens, block_size)
     if policy.decode_checkpoints and decoded is not None:
         kinds[DECODE] = (decoded,)
@@ -292,7 +308,7 @@ def interior_tail_checkpoints(start: int, end: int, num_prompt_tokens: int, bloc
         return []
     first = -(-start // block_size) * block_size  # a partial first block's state is the hit's
     return sorted(p for kind, p in tail_checkpoints_by_kind(
-        num_prompt_tokens, block_size, policy.tail_checkpoints).items()
+        num_prompt_tokens, block_size, policy.tail_checkpoints, policy.dense_tails).items()
         if first < p < end and p > start and (admitted is None or admitted(kind)))
 
 

@@ -80,7 +80,9 @@ def test_divergent_request_hits_with_the_plugin_only(runs):
     upstream = [r.num_cached_tokens for r in runs["upstream"].requests]
     plugin = [r.num_cached_tokens for r in runs["plugin"].requests]
     assert upstream == [0, last, 0]
-    best = max(c for c in align.tail_checkpoints(PROMPT, BLOCK, align.DEFAULT_TAIL_CHECKPOINTS) if c <= DIVERGE_AT)
+    # GDN on vLLM-CPU stores tail states inside the chunk: a candidate at every block
+    best = max(c for c in align.tail_checkpoints(PROMPT, BLOCK, align.DEFAULT_TAIL_CHECKPOINTS, dense=True)
+               if c <= DIVERGE_AT)
     assert plugin == [0, last, best]
     assert best > 0
 

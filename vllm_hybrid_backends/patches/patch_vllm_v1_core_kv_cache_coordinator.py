@@ -220,9 +220,9 @@ def cache_blocks(self: Any, request: Any, num_computed_tokens: int) -> None:
         # No Mamba block becomes full: the boundaries cannot matter (the hot decode path).
         _ORIGINALS["KVCacheCoordinator.cache_blocks"](self, request, num_computed_tokens)
         return
-    policy = align.active_policy()
-    if policy.tail_checkpoints and _internal_prefill_checkpoints(self):
-        policy = align.policy_for_model(policy, internal_prefill_checkpoints=True)
+    policy = align.policy_for_model(
+        align.active_policy(), internal_prefill_checkpoints=_internal_prefill_checkpoints(self),
+        interior_states=bool(_interior_managers(self)))
     memo: dict[Any, Any] = {}
     token = _caching_for.set((request, policy, memo))
     try:
@@ -307,7 +307,8 @@ def _interior_managers(coordinator: Any) -> list[tuple[int, Any]]:
 
 
 def _interior_columns(manager: Any, request: Any, start: int, end: int) -> list[int]:
-    policy = align.active_policy()
+    policy = align.policy_for_model(align.active_policy(), internal_prefill_checkpoints=False,
+                                    interior_states=True)
     if (not policy.interior_states or request.request_id in manager._partial_hit_reqs
             or start >= max(request.num_prompt_tokens, request.num_tokens - 1)):
         return []
