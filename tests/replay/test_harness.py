@@ -394,3 +394,18 @@ def test_interior_blocks_the_model_does_not_fill_are_reported_as_mismatches(monk
     assert result.requests["b"].hit_tokens == 64
     assert result.mismatches  # one per Mamba group
     assert {(m.request_id, m.expected_tokens) for m in result.mismatches} == {("b", 64)}
+
+
+@pytest.mark.parametrize("cache_tokens", [96, 128, 192, 256, 384])
+def test_interior_blocks_never_keep_a_request_from_being_scheduled(cache_tokens):
+    # A pool too small for a chunk's interior blocks: vLLM's own allocation must still run
+    # (without them), as it does upstream; a request must never wait on blocks that are optional.
+    prefix = list(range(100, 148))
+    trace = Trace("tight", [TraceRequest(f"r{i}", prefix + [60 + i] * 9, [7, 8], 0.2 * i)
+                            for i in range(4)])
+    config = _tiny(cache_tokens=cache_tokens, max_num_batched_tokens=64)
+    upstream = run_replay(trace, config, get_policy("upstream"))
+    plugin = run_replay(trace, config, get_policy("plugin"))
+    assert upstream.mismatches == [] and plugin.mismatches == []
+    assert all(r.finish_time is not None for r in plugin.requests.values())
+    assert plugin.blocks_leaked == 0

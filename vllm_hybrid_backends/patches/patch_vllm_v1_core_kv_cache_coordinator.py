@@ -40,7 +40,8 @@ finished request's cached prefix from its end, all groups together.
   (:func:`vllm_hybrid_backends.align.interior_checkpoints`) and stores the states through
   ``hb_store_checkpoints``; ``cache_blocks`` hashes them like any kept boundary, and
   ``remove_skipped_blocks`` hands them back to the pool after the step, still cached. The
-  request comes from ``patch_vllm_v1_core_kv_cache_manager``. Requests with a partial-block hit,
+  request comes from ``patch_vllm_v1_core_kv_cache_manager``, which allocates again without the
+  interior blocks when the pool cannot give them. Requests with a partial-block hit,
   speculative blocks or an internal prefill checkpoint keep vLLM's allocation (the scheduler
   then splits, as before).
 - Upstream: vLLM #50551 (decode-end states for conversation reuse, open); retention semantics in
@@ -333,7 +334,8 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
     managers = _interior_managers(self)
     if not managers:
         return count
-    request = manager_patch.allocating_for.get()
+    allocation = manager_patch.allocating_for.get()
+    request = allocation.request if allocation is not None else None
     inside = (num_tokens_main_model - total_computed_tokens > managers[0][1].block_size
               and request is not None and request.request_id == request_id)
     for group, manager in managers:
@@ -342,7 +344,9 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
                                                          num_local_computed_tokens):
             columns = _interior_columns(manager, request, total_computed_tokens,
                                         num_tokens_main_model)
-        count += len(columns)
+        if columns:
+            count += len(columns)
+            allocation.interior = True  # type: ignore[union-attr]
         if not apply_admission_cap:
             if columns:
                 manager.__dict__.setdefault("_hybrid_interior_plans", {})[request_id] = columns

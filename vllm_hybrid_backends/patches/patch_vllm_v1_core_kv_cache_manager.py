@@ -4,8 +4,10 @@
 - Why: ``KVCacheCoordinator.get_num_blocks_to_allocate`` and ``allocate_new_blocks`` get only a
   request id and token counts; where the plugin's interior tail checkpoints fall depends on the
   request's prompt length (see ``patch_vllm_v1_core_kv_cache_coordinator``).
-- How: the wrapper sets :data:`allocating_for` (a context variable) to the request while the
-  original runs; nothing else changes.
+- How: the wrapper sets :data:`allocating_for` (a context variable) to an :class:`Allocation`
+  for the request while the original runs. Interior blocks are optional: when the coordinator
+  counted some (``Allocation.interior``) and vLLM then found too few free blocks, the wrapper
+  allocates once more without them, so they never keep a request from being scheduled.
 - Upstream: none (no seam passes the request down).
 - vLLM versions: 0.32.x, 0.33.x (same signature).
 - Removal: with the interior states of ``patch_vllm_v1_core_kv_cache_coordinator``.
@@ -22,9 +24,19 @@ TARGET_SYMBOLS = ("KVCacheManager.allocate_slots",)
 PROCESS = "engine"
 
 _ORIGINALS: dict[str, Any] = {}
-#: The request whose slots ``KVCacheManager.allocate_slots`` is allocating, or None.
-allocating_for: contextvars.ContextVar[Any] = contextvars.ContextVar("hybrid_allocating_for",
-                                                                     default=None)
+class Allocation:
+    """The request ``allocate_slots`` is allocating for, and whether interior blocks were counted."""
+
+    __slots__ = ("request", "interior")
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.interior = False
+
+
+#: The allocation ``KVCacheManager.allocate_slots`` is running, or None.
+allocating_for: contextvars.ContextVar[Allocation | None] = contextvars.ContextVar(
+    "hybrid_allocating_for", default=None)
 
 
 def _manager_class() -> Any:
@@ -40,9 +52,14 @@ def missing() -> list[str]:
 
 
 def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-    token = allocating_for.set(request)
+    allocation = Allocation(request)
+    token = allocating_for.set(allocation)
     try:
-        return _ORIGINALS["allocate_slots"](self, request, *args, **kwargs)
+        blocks = _ORIGINALS["allocate_slots"](self, request, *args, **kwargs)
+        if blocks is None and allocation.interior:
+            allocating_for.set(None)  # not enough blocks with them: allocate without
+            blocks = _ORIGINALS["allocate_slots"](self, request, *args, **kwargs)
+        return blocks
     finally:
         allocating_for.reset(token)
 
