@@ -148,3 +148,20 @@ def test_builder_plans_the_real_blocks_each_prefill_row_crosses():
     # row 1: columns 0..2 end inside (column 3 is its running state); row 2: column 4 holds
     # its running state (20 is aligned), columns 2..3 are null
     assert plan == {1: [(8, 11), (12, 12)]}
+
+
+def test_builder_leaves_device_block_tables_alone(monkeypatch):
+    # On a GPU nothing allocates interior blocks; reading the table there would sync every step
+    built = types.SimpleNamespace(num_prefills=1, num_decodes=0, spec_sequence_masks=None)
+    monkeypatch.setitem(builder_patch._ORIGINALS, "build", lambda *args, **kwargs: built)
+    common = types.SimpleNamespace(block_table_tensor=torch.zeros(1, 4, device="meta"),
+                                   query_start_loc_cpu=torch.tensor([0, 600]),
+                                   seq_lens_cpu_upper_bound=torch.tensor([600]))
+    builder = types.SimpleNamespace(
+        vllm_config=types.SimpleNamespace(cache_config=types.SimpleNamespace(mamba_cache_mode="align")),
+        kv_cache_spec=types.SimpleNamespace(num_speculative_blocks=0, block_size=128))
+    assert builder_patch.build(builder, 0, common) is built
+    assert not hasattr(built, builder_patch.INTERIOR_ATTR)
+    common.block_table_tensor = torch.tensor([[0, 5, 0, 0, 9]])
+    builder_patch.build(builder, 0, common)
+    assert getattr(built, builder_patch.INTERIOR_ATTR) == {0: [(256, 5)]}

@@ -8,8 +8,9 @@
   :func:`vllm_hybrid_backends.align.interior_checkpoints` (a real block at a column the chunk
   crosses; vLLM pads every other such column with the null block) and the result, ``{row:
   [(offset in the row's query, block id), ...]}``, is set on the metadata as
-  :data:`INTERIOR_ATTR`. Only align mode without speculative decoding is read (the manager
-  gives interior blocks to nothing else); every other build is returned untouched.
+  :data:`INTERIOR_ATTR`. Only align mode without speculative decoding, with the block table on
+  the CPU, is read (the manager gives interior blocks to nothing else, and reading a device
+  table would sync); every other build is returned untouched.
 - Upstream: none; FlashInfer's GDN checkpoint plan (``plan_flashinfer_checkpoints``) exports one
   state per row.
 - vLLM versions: 0.32.x, 0.33.x (same builder fields).
@@ -68,7 +69,8 @@ def plan_interior_checkpoints(block_table: Any, query_start_loc: Any, seq_lens: 
 def build(self: Any, common_prefix_len: int, common_attn_metadata: Any, *args: Any,
           **kwargs: Any) -> Any:
     metadata = _ORIGINALS["build"](self, common_prefix_len, common_attn_metadata, *args, **kwargs)
-    if (not metadata.num_prefills or metadata.spec_sequence_masks is not None
+    if (not metadata.num_prefills or common_attn_metadata.block_table_tensor.device.type != "cpu"
+            or metadata.spec_sequence_masks is not None
             or getattr(self.vllm_config.cache_config, "mamba_cache_mode", None) != "align"
             or self.kv_cache_spec.num_speculative_blocks):
         return metadata
