@@ -93,3 +93,92 @@ def test_state_shapes_and_block_sizes_match_vllms_own_code(name):
     assert config.cache_config.mamba_block_size == ours.block_size
     assert (config.cache_config.mamba_page_size_padded or ours.mamba_page_bytes) == \
         ours.mamba_page_padded
+
+
+def _force_host_cpu(monkeypatch, *, accelerated: bool) -> None:
+    """Make this host look like a CPU with (or without) AVX-512 BF16, AMX and many threads."""
+    import torch
+    import vllm.platforms.cpu
+
+    from vllm_hybrid_backends.replay import engine_config
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: accelerated)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: accelerated)
+    monkeypatch.setattr(vllm.platforms.cpu, "get_max_threads",
+                        lambda pid=0: 96 if accelerated else 2)
+    if accelerated:
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    else:
+        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(engine_config, "_VLLM_CONFIGS", {})  # build it again, on this "host"
+
+
+def _derived(shape):
+    """Everything the harness derives from vLLM's config for ``shape``, as comparable values."""
+    from vllm.model_executor.models import ModelRegistry
+
+    from vllm_hybrid_backends.replay.engine_config import KVLayout, build_engine_setup
+
+    geometry = derive_cache_geometry(shape, "cuda")
+    setup = build_engine_setup(
+        shape, KVLayout(geometry.block_size, 64, geometry.mamba_page_padded),
+        max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=8192)
+    config = setup.vllm_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(config.model_config.architecture,
+                                                   model_config=config.model_config)
+    return {
+        "ssm_cache_dtype": config.cache_config.mamba_ssm_cache_dtype,
+        "conv_cache_dtype": config.cache_config.mamba_cache_dtype,
+        "model_state_dtypes": tuple(str(d).removeprefix("torch.")
+                                    for d in model_cls.get_mamba_state_dtype_from_config(config)),
+        "model_state_shapes": tuple(map(tuple, model_cls.get_mamba_state_shape_from_config(config))),
+        "block_sizes": (setup.scheduler_block_size, setup.hash_block_size,
+                        config.cache_config.block_size, config.cache_config.mamba_block_size),
+        "pool": (setup.pool_bytes, setup.kv_cache_config.num_blocks),
+        "groups": [repr(g.kv_cache_spec) for g in setup.kv_cache_config.kv_cache_groups],
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SHAPES)
+def test_config_derivation_does_not_depend_on_the_host_cpu(name, monkeypatch):
+    """AVX-512 BF16 / AMX hosts (vLLM-CPU then changes Mamba dtypes) derive what others do."""
+    import os
+
+    shape = get_shape(name)
+    seen, environment_changes = {}, {}
+    for accelerated in (True, False):
+        with monkeypatch.context() as patch:
+            _force_host_cpu(patch, accelerated=accelerated)
+            before = dict(os.environ)
+            seen[accelerated] = _derived(shape)
+            environment_changes[accelerated] = {
+                k for k in before.keys() | os.environ.keys() if before.get(k) != os.environ.get(k)}
+    assert seen[True] == seen[False]
+    assert seen[True]["model_state_dtypes"] == shape.state.dtypes
+    assert seen[True]["model_state_shapes"] == shape.state.shapes
+    assert environment_changes == {True: set(), False: set()}
+
+
+def _without_timings(value):
+    if isinstance(value, dict):
+        return {k: _without_timings(v) for k, v in value.items()
+                if k not in ("sched_step_us_median", "wall_s")}
+    return value
+
+
+@pytest.mark.slow
+def test_replay_json_is_the_same_on_any_host_cpu(monkeypatch, capsys):
+    import json
+
+    from vllm_hybrid_backends.cli import main
+
+    outputs = {}
+    for accelerated in (True, False):
+        with monkeypatch.context() as patch:
+            _force_host_cpu(patch, accelerated=accelerated)
+            assert main(["replay", "--json", "--workload", "short",
+                         "--model-shape", "qwen3-next-80b-a3b"]) == 0
+            outputs[accelerated] = json.loads(capsys.readouterr().out)
+    assert outputs[True]["policies"]["upstream"]["sched_step_us_median"] > 0  # timings present
+    assert _without_timings(outputs[True]) == _without_timings(outputs[False])

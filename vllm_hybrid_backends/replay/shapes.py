@@ -149,6 +149,8 @@ def _qwen3_next_80b() -> ModelShape:
         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     }
     kinds = tuple("attention" if (i + 1) % 4 == 0 else "mamba" for i in range(48))
+    # The public config has no mamba_ssm_dtype and vLLM has no Qwen3-Next config hook, so on
+    # CUDA mamba_ssm_cache_dtype stays "auto": the SSM state takes the model dtype (bfloat16).
     return ModelShape("qwen3-next-80b-a3b", "Qwen/Qwen3-Next-80B-A3B-Instruct",
                       "Qwen3NextForCausalLM", kinds, 2, 256, "bfloat16",
                       _gdn_state(16, 32, 128, 128, 4, "bfloat16", "bfloat16"), cfg)
