@@ -78,6 +78,8 @@ def _host_independent_platform() -> Iterator[None]:
       ``os.environ``; the environment is restored afterwards.
     * ``VLLM_CPU_KVCACHE_SPACE`` (KV memory) and ``VLLM_SSM_CONV_STATE_LAYOUT`` are hidden:
       the harness sizes the pool itself and its shapes use vLLM's default (SD) layout.
+    * its default ``block_size=128`` is overwritten by :func:`build_engine_setup` with the
+      block of the stated rule (:func:`.shapes.derive_cache_geometry`).
     * NUMA layout is read only by the CPU worker, which the harness never starts.
     """
     import torch
