@@ -1,7 +1,11 @@
-"""Test routing (read this first):
+"""Test routing (read this first). Markers are read with ``get_closest_marker``, never by keyword,
+so a test or parameter id that happens to contain "cuda" routes nowhere.
 
-- ``cuda`` / ``rocm`` / ``ascend`` markers: run only where that device is present, else skip
-  with the reason. Everything else runs on CPU by default.
+- ``cuda`` / ``rocm`` / ``ascend``: meant for that device. In the default (CPU) run they skip
+  with the reason unless that device is present.
+- ``--device-job=KIND`` (the device CI jobs): select only the tests marked ``KIND``; everything
+  else is deselected, so a device runner spends its time on device tests only.
+- ``no_device``: asserts this host has no GPU/NPU (cannot pass on real hardware); skipped where one is.
 - ``e2e``: starts the real vLLM-CPU engine; skipped when vLLM is not importable or
   ``VLLM_HYBRID_SKIP_E2E=1``.
 - ``slow``: runs by default; ``-m "not slow"`` leaves it out.
@@ -18,18 +22,36 @@ from vllm_hybrid_backends import plugins
 from vllm_hybrid_backends.device import detect_device_kind
 from vllm_hybrid_backends.types import DeviceKind
 
-_DEVICE_MARKERS = {"cuda": DeviceKind.CUDA, "rocm": DeviceKind.ROCM, "ascend": DeviceKind.NPU}
+DEVICE_MARKERS = {"cuda": DeviceKind.CUDA, "rocm": DeviceKind.ROCM, "ascend": DeviceKind.NPU}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device-job", choices=sorted(DEVICE_MARKERS), default=None,
+                     help="run only the tests marked for this device (the device CI jobs)")
+
+
+def device_markers(item) -> set[str]:
+    """The device markers on a test, its class, module or parameter set."""
+    return {name for name in DEVICE_MARKERS if item.get_closest_marker(name) is not None}
 
 
 def pytest_collection_modifyitems(config, items):
+    job = config.getoption("--device-job")
+    if job is not None:
+        keep = [item for item in items if job in device_markers(item)]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
     kind = detect_device_kind()
     has_vllm = importlib.util.find_spec("vllm") is not None
     skip_e2e = os.environ.get("VLLM_HYBRID_SKIP_E2E") == "1"
     for item in items:
-        for marker, needed in _DEVICE_MARKERS.items():
-            if marker in item.keywords and kind is not needed:
-                item.add_marker(pytest.mark.skip(reason=f"needs a {marker} device; this is {kind.value}"))
-        if "e2e" in item.keywords and (skip_e2e or not has_vllm):
+        wanted = device_markers(item)
+        if wanted and not any(DEVICE_MARKERS[name] is kind for name in wanted):
+            needs = " or ".join(sorted(wanted))
+            item.add_marker(pytest.mark.skip(reason=f"needs a {needs} device; this is {kind.value}"))
+        if item.get_closest_marker("no_device") is not None and kind is not DeviceKind.CPU:
+            item.add_marker(pytest.mark.skip(reason=f"asserts a host without GPU/NPU; this is {kind.value}"))
+        if item.get_closest_marker("e2e") is not None and (skip_e2e or not has_vllm):
             why = "VLLM_HYBRID_SKIP_E2E=1" if skip_e2e else "vLLM is not installed"
             item.add_marker(pytest.mark.skip(reason=why))
 

@@ -27,7 +27,6 @@ from vllm_hybrid_backends.backends.rocm import backend as rocm_backend
 from vllm_hybrid_backends.hookspecs import STATE_OPERATION_HOOKS
 from vllm_hybrid_backends.types import CheckpointBatch, MambaStateTensor, StateKind
 
-# ids are not "cuda"/"rocm": those are device markers (tests/conftest.py) and would skip the test
 BACKENDS = [pytest.param(cuda_backend, id="cuda-backend"), pytest.param(rocm_backend, id="rocm-backend")]
 DTYPES = [
     pytest.param(torch.float32, id="fp32"),
