@@ -110,3 +110,34 @@ def test_timing_repeats_report_each_policys_lowest_median_step(monkeypatch):
     assert result.policies["plugin"].sched_step_us_median == 500.0
     with pytest.raises(ValueError, match="timing_repeats=0: allowed values are integers >= 1"):
         report_module.compare_policies(_tiny_trace(), config, ["upstream"], timing_repeats=0)
+
+
+@pytest.mark.slow
+def test_replay_reads_a_hash_block_trace(tmp_path, capsys):
+    # Conversations in the Mooncake format: each turn repeats the previous turn's units.
+    lines, stamp = [], 0
+    for conversation in range(3):
+        units = [100]  # a shared system prompt
+        for turn in range(3):
+            units = units + [1000 * conversation + 10 * turn + k for k in range(3)]
+            stamp += 700
+            lines.append({"timestamp": stamp, "input_length": 256 * len(units) - 20,
+                          "output_length": 8, "hash_ids": units})
+    path = tmp_path / "conversations.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    status = main(["replay", "--trace", str(path), "--hash-block-size", "256", "--limit", "8",
+                   "--time-scale", "2", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["num_requests"] == 8
+    assert report["workload_params"] == {"format": "hash-block", "hash_block_size": 256,
+                                         "time_scale": 2.0, "limit": 8}
+    upstream, plugin = report["policies"]["upstream"], report["policies"]["plugin"]
+    assert upstream["state_mismatches"] == plugin["state_mismatches"] == 0
+    assert plugin["token_hit_rate"] >= upstream["token_hit_rate"]
+    assert plugin["bound_hit_rate"] > 0
+
+
+def test_trace_flags_need_a_trace(capsys):
+    assert main(["replay", "--workload", "short", "--limit", "3"]) == 2
+    assert "--hash-block-size, --time-scale and --limit apply to --trace only" in \
+        capsys.readouterr().err

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -143,3 +146,80 @@ def test_empty_and_missing_traces_are_errors(tmp_path):
         load_trace(empty)
     with pytest.raises(TraceError, match="no such trace file"):
         load_trace(tmp_path / "missing.jsonl")
+
+
+# ---- hash-block (Mooncake / vllm bench timed_trace) traces ------------------------------------
+
+def _mooncake(tmp_path, lines, name="mooncake.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+MOONCAKE = [
+    {"timestamp": 1000, "input_length": 40, "output_length": 3, "hash_ids": [7, 8, 9]},
+    # shares unit 7 and the first 6 tokens of unit 8, as its partial last unit
+    {"timestamp": 1500, "input_length": 22, "output_length": 0, "hash_ids": [7, 8]},
+    # more prompt than its hash ids cover: the rest is its own
+    {"timestamp": 4000, "input_length": 36, "output_length": 2, "hash_ids": [7], "extra": "x"},
+    {"timestamp": 4000, "input_length": 36, "output_length": 2, "hash_ids": [7]},
+]
+
+
+def test_hash_block_lines_become_shared_units(tmp_path):
+    trace = load_trace(_mooncake(tmp_path, MOONCAKE), hash_block_size=16)
+    a, b, c, d = trace.requests
+    assert [r.id for r in trace.requests] == ["t1", "t2", "t3", "t4"]
+    assert [len(r.prompt_token_ids) for r in trace.requests] == [40, 22, 36, 36]
+    assert [r.max_tokens for r in trace.requests] == [3, 1, 2, 2]
+    assert [r.arrival_s for r in trace.requests] == [0.0, 0.5, 3.0, 3.0]
+    assert b.prompt_token_ids == a.prompt_token_ids[:22]  # unit 7 + the head of unit 8
+    assert c.prompt_token_ids[:16] == a.prompt_token_ids[:16]
+    # uncovered tokens are unique to their line, even for an identical line
+    assert c.prompt_token_ids[16:] != d.prompt_token_ids[16:]
+    assert a.prompt_token_ids[16:32] != a.prompt_token_ids[:16]  # units differ
+    assert trace.params == {"format": "hash-block", "hash_block_size": 16}
+
+
+def test_hash_block_tokens_do_not_depend_on_the_process(tmp_path):
+    path = _mooncake(tmp_path, MOONCAKE)
+    code = ("import sys, hashlib, json; from vllm_hybrid_backends.replay.workloads import "
+            "load_trace; t = load_trace(sys.argv[1]); print(hashlib.sha256(json.dumps("
+            "[r.prompt_token_ids + r.output_token_ids for r in t.requests]).encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code, str(path)], check=True, text=True,
+                              capture_output=True, env={**os.environ, "PYTHONHASHSEED": seed}
+                              ).stdout for seed in ("1", "2")}
+    assert len(digests) == 1
+
+
+def test_time_scale_and_limit(tmp_path):
+    path = _mooncake(tmp_path, MOONCAKE)
+    trace = load_trace(path, hash_block_size=16, time_scale=4.0, limit=3)
+    assert [r.arrival_s for r in trace.requests] == [0.0, 2.0, 12.0]
+    assert trace.params["time_scale"] == 4.0 and trace.params["limit"] == 3
+    mine = _mooncake(tmp_path, [GOOD, {**GOOD, "id": "b", "arrival_s": 1.5}], "own.jsonl")
+    assert [r.arrival_s for r in load_trace(mine, time_scale=2.0).requests] == [0.0, 3.0]
+    with pytest.raises(ValueError, match="time_scale must be a number > 0, got 0"):
+        load_trace(path, time_scale=0)
+    with pytest.raises(ValueError, match="limit must be an integer >= 1, got 0"):
+        load_trace(path, limit=0)
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    pytest.param({"timestamp": 1, "input_length": 4, "hash_ids": [1]}, "missing 'output_length'",
+                 id="no-output-length"),
+    pytest.param({"timestamp": 1, "input_length": 0, "output_length": 1, "hash_ids": [1]},
+                 "'input_length' must be an integer >= 1, got 0", id="empty-prompt"),
+    pytest.param({"timestamp": -5, "input_length": 4, "output_length": 1, "hash_ids": [1]},
+                 "'timestamp' must be a number of milliseconds >= 0, got -5", id="negative-time"),
+    pytest.param({"timestamp": 1, "input_length": 4, "output_length": 1, "hash_ids": [1, "x"]},
+                 r"'hash_ids'\[1\] is 'x'; hash ids are integers", id="string-hash"),
+    pytest.param({"timestamp": 1, "input_length": 4, "output_length": 1, "hash_ids": 3},
+                 "'hash_ids' must be a list of integers, got 3", id="not-a-list"),
+    pytest.param({"id": "x", "prompt_token_ids": [1], "max_tokens": 1}, "missing 'timestamp'",
+                 id="mixed-formats"),
+])
+def test_a_bad_hash_block_line_names_its_line(tmp_path, line, message):
+    path = _mooncake(tmp_path, [MOONCAKE[0], line])
+    with pytest.raises(TraceError, match=rf"mooncake\.jsonl:2: {message}"):
+        load_trace(path)

@@ -34,7 +34,15 @@ def add_parser(commands: Any) -> None:
                         help="a bundled workload (default: agentic)")
     source.add_argument("--trace", metavar="PATH",
                         help="a JSONL or JSONL.gz trace: id, arrival_s, prompt_token_ids, "
-                             "output_token_ids or max_tokens (one request per line)")
+                             "output_token_ids or max_tokens (one request per line); or a "
+                             "hash-block trace (Mooncake / vllm bench timed_trace: timestamp "
+                             "in ms, input_length, output_length, hash_ids)")
+    parser.add_argument("--hash-block-size", type=int, metavar="N", default=None,
+                        help="tokens per hash id of a hash-block trace (default 512)")
+    parser.add_argument("--time-scale", type=float, metavar="X", default=1.0,
+                        help="multiply the trace's arrival times by X (2 = half the rate)")
+    parser.add_argument("--limit", type=int, metavar="N",
+                        help="replay only the trace's first N requests")
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3.5-0.8b",
                         help="model shape (layer kinds, state and KV sizes from public configs)")
     parser.add_argument("--block-size", type=int, metavar="N",
@@ -78,19 +86,30 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from .harness import ReplayConfig, ReplayError
     from .report import compare_policies, plot_capacity_sweep, render_table
-    from .workloads import TraceError, load_trace, make_workload
+    from .workloads import DEFAULT_HASH_BLOCK_SIZE, TraceError, load_trace, make_workload
 
     for name, value in (("--block-size", args.block_size), ("--cache-tokens", args.cache_tokens),
-                        ("--timing-repeats", args.timing_repeats)):
+                        ("--timing-repeats", args.timing_repeats),
+                        ("--hash-block-size", args.hash_block_size), ("--limit", args.limit)):
         if value is not None and value <= 0:
             print(f"error: {name} must be a positive integer, got {value}", file=sys.stderr)
             return 2
+    if not args.time_scale > 0 or args.time_scale == float("inf"):
+        print(f"error: --time-scale must be a finite number > 0, got {args.time_scale}",
+              file=sys.stderr)
+        return 2
+    if not args.trace and (args.hash_block_size is not None or args.limit is not None
+                           or args.time_scale != 1.0):
+        print("error: --hash-block-size, --time-scale and --limit apply to --trace only",
+              file=sys.stderr)
+        return 2
     policies = ["upstream", "plugin"] if args.policy == "both" else [args.policy]
     config = ReplayConfig(model_shape=args.model_shape, block_size=args.block_size,
                           cache_tokens=args.cache_tokens)
     try:
         if args.trace:
-            trace = load_trace(args.trace)
+            trace = load_trace(args.trace, hash_block_size=args.hash_block_size or DEFAULT_HASH_BLOCK_SIZE,
+                               time_scale=args.time_scale, limit=args.limit)
         else:
             trace = make_workload(args.workload or "agentic", block_size=config.layout().block_size)
     except (TraceError, ReplayError, ValueError) as exc:

@@ -41,6 +41,7 @@ class Report:
             "num_blocks": self.num_blocks,
             "pool_bytes": self.pool_bytes,
             "platform_rule": self.config.platform,
+            "workload_params": self.trace.params,
             "policies": {name: m.to_json() for name, m in self.policies.items()},
         }
 

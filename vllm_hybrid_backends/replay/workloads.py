@@ -16,11 +16,30 @@ Trace lines (JSONL, optionally gzip-compressed ``.jsonl.gz``), one request per l
 - ``after`` (extension, optional): id of an earlier request; ``arrival_s`` then counts from the
   moment that request finishes (closed-loop sessions: a turn follows the previous answer).
 
+Hash-block traces (the Mooncake FAST'25 format, also what ``vllm bench serve --dataset-name
+timed_trace`` reads) are recognised by their ``hash_ids`` key and read as they are::
+
+    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 48]}
+
+- ``timestamp``: arrival in milliseconds (the first line's is time 0, an earlier one on a later
+  line is read as 0); ``input_length``: prompt
+  tokens; ``output_length``: output tokens (0 is read as 1: a server always generates one);
+  ``hash_ids``: one id per shared unit of ``hash_block_size`` tokens (default 512). Other keys
+  are ignored.
+- The same hash id gives the same tokens in any process (seeded from the id, never Python's
+  ``hash``); a partial last unit is the first tokens of its id's unit. Prompt tokens beyond the
+  units the hash ids cover are unique to the line; hash ids beyond ``input_length`` are dropped.
+- Requests are named ``t<line number>``.
+
+``time_scale`` multiplies every arrival time (2.0 = half the request rate); ``limit`` keeps the
+first requests.
+
 A malformed line raises :class:`TraceError` naming the file, the line number and the problem.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import json
@@ -44,6 +63,8 @@ __all__ = [
 #: Token ids the generators draw from (any vocabulary of the shapes holds them).
 TOKEN_LOW, TOKEN_HIGH = 16, 32000
 TRACE_KEYS = ("id", "arrival_s", "prompt_token_ids", "output_token_ids", "max_tokens", "after")
+HASH_BLOCK_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
+DEFAULT_HASH_BLOCK_SIZE = 512
 
 
 class TraceError(ValueError):
@@ -266,33 +287,120 @@ def _open_lines(path: Path) -> Iterable[str]:
     return path.open(encoding="utf-8")
 
 
-def load_trace(path: str | Path) -> Trace:
-    """Read a JSONL / JSONL.gz trace; raises :class:`TraceError` on the first bad line."""
+def _seeded_tokens(label: str, count: int) -> list[int]:
+    seed = int.from_bytes(hashlib.sha256(label.encode()).digest()[:8], "little")
+    return _tokens(random.Random(seed), count)
+
+
+def _count(obj: dict[str, Any], key: str, low: int) -> int:
+    if key not in obj:
+        raise ValueError(f"missing {key!r}")
+    value = obj[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{key!r} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+class HashBlockReader:
+    """Turns hash-block trace lines into requests; caches one unit of tokens per hash id."""
+
+    def __init__(self, hash_block_size: int) -> None:
+        self.unit = hash_block_size
+        self._units: dict[int, list[int]] = {}
+        self._first_ms: float | None = None
+
+    def _unit_tokens(self, hash_id: int) -> list[int]:
+        tokens = self._units.get(hash_id)
+        if tokens is None:
+            tokens = self._units[hash_id] = _seeded_tokens(f"hash-block:{hash_id}", self.unit)
+        return tokens
+
+    def request(self, obj: Any, number: int) -> TraceRequest:
+        if not isinstance(obj, dict):
+            raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+        missing = [key for key in HASH_BLOCK_KEYS if key not in obj]
+        if missing:
+            raise ValueError(f"missing {', '.join(map(repr, missing))} (a hash-block trace line "
+                             f"has {', '.join(HASH_BLOCK_KEYS)})")
+        stamp = obj["timestamp"]
+        if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or \
+                not math.isfinite(stamp) or stamp < 0:
+            raise ValueError(f"'timestamp' must be a number of milliseconds >= 0, got {stamp!r}")
+        length = _count(obj, "input_length", 1)
+        outputs = max(_count(obj, "output_length", 0), 1)
+        hash_ids = obj["hash_ids"]
+        if not isinstance(hash_ids, list):
+            raise ValueError(f"'hash_ids' must be a list of integers, got {hash_ids!r}")
+        for position, hash_id in enumerate(hash_ids):
+            if isinstance(hash_id, bool) or not isinstance(hash_id, int):
+                raise ValueError(f"'hash_ids'[{position}] is {hash_id!r}; hash ids are integers")
+        prompt: list[int] = []
+        for hash_id in hash_ids:
+            if len(prompt) >= length:
+                break
+            prompt.extend(self._unit_tokens(hash_id)[:length - len(prompt)])
+        if len(prompt) < length:
+            prompt.extend(_seeded_tokens(f"hash-block-line:{number}", length - len(prompt)))
+        if self._first_ms is None:
+            self._first_ms = float(stamp)
+        rid = f"t{number}"
+        arrival = max(float(stamp) - self._first_ms, 0.0) / 1000.0
+        return TraceRequest(rid, prompt, generated_outputs(rid, outputs), arrival)
+
+
+def load_trace(path: str | Path, *, hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE,
+               time_scale: float = 1.0, limit: int | None = None) -> Trace:
+    """Read a JSONL / JSONL.gz trace, in this project's format or the hash-block format (see the
+    module docstring); raises :class:`TraceError` on the first bad line."""
+    if isinstance(hash_block_size, bool) or not isinstance(hash_block_size, int) or \
+            hash_block_size < 1:
+        raise ValueError(f"hash_block_size must be an integer >= 1, got {hash_block_size!r}")
+    if not isinstance(time_scale, (int, float)) or not math.isfinite(time_scale) or time_scale <= 0:
+        raise ValueError(f"time_scale must be a number > 0, got {time_scale!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be an integer >= 1, got {limit!r}")
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
     requests: list[TraceRequest] = []
     seen: set[str] = set()
+    hash_blocks: HashBlockReader | None = None
     try:
         with _open_lines(path) as lines:  # type: ignore[attr-defined]
             for number, line in enumerate(lines, start=1):
+                if limit is not None and len(requests) >= limit:
+                    break
                 if not line.strip():
                     continue
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise TraceError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+                if not requests and isinstance(obj, dict) and "hash_ids" in obj:
+                    hash_blocks = HashBlockReader(hash_block_size)
                 try:
-                    request = parse_trace_line(obj, seen)
+                    if hash_blocks is not None:
+                        request = hash_blocks.request(obj, number)
+                    else:
+                        request = parse_trace_line(obj, seen)
                 except ValueError as exc:
                     raise TraceError(f"{path}:{number}: {exc}") from None
+                if time_scale != 1.0:
+                    request = dataclasses.replace(request, arrival_s=request.arrival_s * time_scale)
                 seen.add(request.id)
                 requests.append(request)
     except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: cannot read: {exc}") from None
     if not requests:
         raise TraceError(f"{path}: the trace has no requests")
-    return Trace(path.name, requests, f"user trace {path}")
+    params: dict[str, Any] = {"format": "hash-block" if hash_blocks else "tokens"}
+    if hash_blocks:
+        params["hash_block_size"] = hash_block_size
+    if time_scale != 1.0:
+        params["time_scale"] = time_scale
+    if limit is not None:
+        params["limit"] = limit
+    return Trace(path.name, requests, f"user trace {path}", params)
 
 
 def write_trace(trace: Trace, path: str | Path) -> None:
