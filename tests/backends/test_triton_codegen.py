@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from vllm_hybrid_backends.backends import triton_state_kernels as shared  # noqa: E402
+from vllm_hybrid_backends.backends.triton import kernels as shared  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shared.INTERPRETED, reason="kernels built for the interpreter")
 

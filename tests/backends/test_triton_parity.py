@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from vllm_hybrid_backends import reference
-from vllm_hybrid_backends.backends.cuda import backend as cuda_backend
-from vllm_hybrid_backends.backends.rocm import backend as rocm_backend
+from vllm_hybrid_backends.backends.triton.backend import CUDA as cuda_backend
+from vllm_hybrid_backends.backends.triton.backend import ROCM as rocm_backend
 from vllm_hybrid_backends.hookspecs import STATE_OPERATION_HOOKS
 from vllm_hybrid_backends.types import CheckpointBatch, MambaStateTensor, StateKind
 
@@ -45,7 +45,7 @@ def interpreted_kernels():
     (re)imported: engine subprocesses started by other tests never inherit it.
     """
     pytest.importorskip("triton")
-    from vllm_hybrid_backends.backends import triton_state_kernels as shared
+    from vllm_hybrid_backends.backends.triton import kernels as shared
 
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -444,7 +444,7 @@ def test_every_state_hook_is_implemented_by_both_backends_themselves():
 
 
 def test_importing_the_backends_does_not_import_triton():
-    code = ("import sys, vllm_hybrid_backends.backends.cuda.backend, "
-            "vllm_hybrid_backends.backends.rocm.backend; "
+    code = ("import sys, vllm_hybrid_backends.backends.triton.backend, "
+            "vllm_hybrid_backends.backends.triton.tuning; "
             "sys.exit(3 if 'triton' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -1,8 +1,8 @@
-"""Triton kernels for the Mamba state operations, shared by the ``cuda`` and ``rocm`` backends.
+"""Triton kernels for the Mamba state operations of the Triton backend (``cuda`` and ``rocm``).
 
-The kernels are the same for both vendors; each backend passes its own launch shapes
-(``backends/<vendor>/tuning.py``). This module imports ``triton`` at import time, so the backends
-import it lazily, the first time a hook runs.
+The kernels are the same for both vendors; each call takes the launch shapes of the vendor's
+tuning table (:mod:`.tuning`). This module imports ``triton`` at import time, so the backend
+imports it lazily, the first time a hook runs.
 
 How the work is laid out (the same for every hook):
 
@@ -48,30 +48,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..types import CheckpointBatch, MambaStateTensor, StateKind
+from ...types import CheckpointBatch, MambaStateTensor, StateKind
+from .tuning import LaunchTuning
 
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 """The kernels of this module object were built for the Triton interpreter (CPU tensors)."""
 
 launch_counts: collections.Counter[str] = collections.Counter()
 """Kernel launches made by this process, by kernel name (routing tests read it)."""
-
-
-@dataclass(frozen=True)
-class LaunchTuning:
-    """Launch shapes for one device architecture (tables live in each backend's tuning.py)."""
-
-    name: str
-    lanes_per_warp: int  # 32 on NVIDIA, 64 (wavefront) on AMD CDNA
-    num_warps: int
-    flat_step_bytes: int  # bytes one program moves per load/store step of a whole-block copy
-    flat_steps: int  # steps per program: a program copies flat_step_bytes * flat_steps bytes
-    window_tile_bytes: int  # bytes of one (tokens x channels) tile of a conv-window copy
-    checkpoint_tile_elems: int  # elements per program in a checkpoint store
-    gather_rows: int  # block-table rows per program in the aligned-index gather
-    memcpy_chunk_bytes: int  # bytes per step of the batch_memcpy override
-    memcpy_split: int  # programs sharing one non-overlapping batch_memcpy entry
-    num_stages: int = 1  # no software pipelining: these kernels are pure streams
 
 
 # ---- kernel constants -------------------------------------------------------------------------

@@ -1,1 +1,0 @@
-"""Backend package: see backend.py."""
