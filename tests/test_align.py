@@ -161,24 +161,37 @@ def test_scheduler_patch_reverts_to_vllms_method():
 
 def test_coordinator_patch_adds_boundaries_only_while_caching_a_request():
     module = coordinator_patch._module()
-    original = module.replay_boundaries
+    request = types.SimpleNamespace(num_tokens=1537, num_prompt_tokens=1500, request_id="r")
+    if hasattr(module, "replay_boundaries"):  # vLLM 0.32+: a module function
+        original = module.replay_boundaries
+
+        def boundaries():
+            return module.replay_boundaries(1500, 128, False)
+    else:  # 0.30/0.31: a coordinator method of the request
+        original = module.KVCacheCoordinator.get_replay_boundaries
+        coordinator = types.SimpleNamespace(eagle_group_ids=[], scheduler_block_size=128)
+
+        def boundaries():
+            return module.KVCacheCoordinator.get_replay_boundaries(coordinator, request)
+    plain = boundaries()
     coordinator_patch.apply()
     try:
-        assert module.replay_boundaries(1500, 128, False) == original(1500, 128, False)
-        request = types.SimpleNamespace(num_tokens=1537, request_id="r")
+        assert boundaries() == plain
         token = coordinator_patch._caching_for.set((request, align.AlignPolicy(), {}))
         try:
-            assert module.replay_boundaries(1500, 128, False) == (384, 896, 1152, 1280, 1499, 1536)
+            assert boundaries() == tuple(sorted({384, 896, 1152, 1280, 1536, *plain}))
         finally:
             coordinator_patch._caching_for.reset(token)
         token = coordinator_patch._caching_for.set((request, align.AlignPolicy(tail_checkpoints=0), {}))
         try:
-            assert module.replay_boundaries(1500, 128, False) == (1499, 1536)
+            assert boundaries() == tuple(sorted({1536, *plain}))
         finally:
             coordinator_patch._caching_for.reset(token)
     finally:
         coordinator_patch.revert()
-    assert module.replay_boundaries is original
+    current = (module.replay_boundaries if hasattr(module, "replay_boundaries")
+               else module.KVCacheCoordinator.get_replay_boundaries)
+    assert current is original
 
 
 def test_suffix_eviction_order_forgets_the_prefix_from_its_end_across_groups():

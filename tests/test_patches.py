@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from vllm_hybrid_backends import hookimpl, patches
+from vllm_hybrid_backends.compat import installed_vllm_version, version_allows
 from vllm_hybrid_backends.patches import patch_vllm_platforms as platform_patch
 from vllm_hybrid_backends.patches import patch_vllm_v1_worker_mamba_utils as copy_patch
 from vllm_hybrid_backends.types import Availability, BackendIdentity, DeviceKind
@@ -150,6 +151,8 @@ def test_unknown_copy_functions_fall_back_to_vllms_path(v1_copy_patch, fresh_plu
 # ---- platform hook and kernel-override precedence ----------------------------------------------
 
 
+@pytest.mark.skipif(not platform_patch.has_worker_seam(),
+                    reason="this vLLM has no kernel dispatcher (added in 0.32)")
 def test_kernels_registered_after_the_platform_win(monkeypatch, fresh_plugins):
     from vllm.triton_utils import dispatcher
 
@@ -202,22 +205,57 @@ def test_kernels_registered_after_the_platform_win(monkeypatch, fresh_plugins):
         fresh_plugins.unregister_backend("kernels")
 
 
+def _fake_patch(name, applied, *, missing=(), versions=">=0.1", not_needed=None):
+    module = types.SimpleNamespace(__name__=f"x.{name}", PROCESS="worker", VLLM_VERSIONS=versions,
+                                   missing=lambda: list(missing),
+                                   apply=lambda: applied.append(name))
+    if not_needed is not None:
+        module.not_needed = lambda: not_needed
+    return module
+
+
 def test_apply_all_patches_nothing_if_any_patch_cannot_apply(monkeypatch):
     applied = []
-    good = types.SimpleNamespace(__name__="x.patch_good", PROCESS="worker", missing=lambda: [],
-                                 apply=lambda: applied.append("good"))
-    bad = types.SimpleNamespace(__name__="x.patch_bad", PROCESS="worker",
-                                missing=lambda: ["vllm.some.symbol"], apply=lambda: applied.append("bad"))
+    good = _fake_patch("patch_good", applied)
+    bad = _fake_patch("patch_bad", applied, missing=["vllm.some.symbol"])
+    monkeypatch.setattr(patches, "_applied", set())
     monkeypatch.setattr(patches, "patch_modules", lambda process=None: [good, bad])
     assert patches.apply_all("worker") is False
     assert applied == []
     monkeypatch.setattr(patches, "patch_modules", lambda process=None: [good])
     assert patches.apply_all("worker") is True
-    assert applied == ["good"]
+    assert applied == ["patch_good"]
+    assert patches.check(good).state == patches.APPLIED
+
+
+def test_a_patch_written_for_other_versions_refuses_the_whole_process(monkeypatch):
+    applied = []
+    good = _fake_patch("patch_good", applied)
+    old = _fake_patch("patch_old", applied, versions="<0.1")
+    monkeypatch.setattr(patches, "_applied", set())
+    monkeypatch.setattr(patches, "patch_modules", lambda process=None: [good, old])
+    status = patches.check(old)
+    assert status.state == patches.REFUSED
+    assert status.reason == f"written for vLLM <0.1, this is {installed_vllm_version()}"
+    assert patches.apply_all("worker") is False and applied == []
+
+
+def test_a_patch_this_vllm_does_not_need_is_skipped_with_its_reason(monkeypatch):
+    applied = []
+    good = _fake_patch("patch_good", applied)
+    unneeded = _fake_patch("patch_unneeded", applied, missing=["checked only when needed"],
+                           not_needed="no such feature before 0.32")
+    monkeypatch.setattr(patches, "_applied", set())
+    monkeypatch.setattr(patches, "patch_modules", lambda process=None: [good, unneeded])
+    assert patches.check(unneeded) == patches.PatchStatus(
+        "patch_unneeded", "worker", patches.NOT_NEEDED, "no such feature before 0.32")
+    assert patches.apply_all("worker") is True and applied == ["patch_good"]
 
 
 def test_every_patch_applies_to_the_installed_vllm():
     for module in patches.patch_modules():
-        if patches.is_optional(module):  # patches another package (vllm-ascend) when present
-            continue
-        assert module.missing() == [], module.__name__
+        status = patches.check(module)
+        assert status.state != patches.REFUSED, status
+        if status.state == patches.NOT_NEEDED:  # says why, and only where that is true
+            assert status.reason
+            assert patches.is_optional(module) or version_allows("<0.32"), status

@@ -21,7 +21,8 @@ def registration(monkeypatch):
     return calls, warnings
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0", "0.33.4.dev12"])
+@pytest.mark.parametrize("version", ["0.30.0", "0.31.1", "0.32.0", "0.32.0+cpu", "0.33.0",
+                                     "0.33.4.dev12"])
 def test_supported_versions_apply_the_engine_patches_once(registration, monkeypatch, version):
     calls, warnings = registration
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: version)
@@ -31,7 +32,7 @@ def test_supported_versions_apply_the_engine_patches_once(registration, monkeypa
     assert warnings == []
 
 
-@pytest.mark.parametrize("version", ["0.31.9", "0.34.0", "1.0.0", "not-a-version", None])
+@pytest.mark.parametrize("version", ["0.22.0", "0.29.9", "0.34.0", "1.0.0", "not-a-version", None])
 def test_unsupported_versions_warn_once_and_patch_nothing(registration, monkeypatch, version):
     calls, warnings = registration
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: version)
@@ -40,7 +41,7 @@ def test_unsupported_versions_warn_once_and_patch_nothing(registration, monkeypa
     vllm_hybrid_backends.register()
     assert calls == []
     assert len(warnings) == 1
-    assert "0.32.x and 0.33.x" in warnings[0]
+    assert compat.SUPPORTED_VLLM_TEXT in warnings[0]
     if version:
         assert version in warnings[0]
 

@@ -80,19 +80,60 @@ def _vllm_platform() -> str:
         return f"unavailable ({type(exc).__name__}: {exc})"
 
 
+def _vllm_ascend_version() -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("vllm-ascend")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _patch_statuses(version: str | None) -> list[dict[str, str]]:
+    """Each patch: ready (would apply) / applied / not needed / refused, with the reason."""
+    if version is None:
+        return []
+    from . import patches
+
+    statuses = []
+    for module in patches.patch_modules():
+        try:
+            statuses.append(patches.check(module).to_json())
+        except Exception as exc:  # a check that crashes is a refusal, reported, not a doctor crash
+            statuses.append({"patch": module.__name__.rsplit(".", 1)[-1], "process": module.PROCESS,
+                             "state": "refused", "reason": f"check failed: {exc!r}"})
+    return statuses
+
+
 def doctor_report() -> tuple[dict[str, Any], int]:
     """Everything ``doctor`` prints, and its exit status (0 when a backend is selected)."""
     from . import plugins
-    from .compat import SUPPORTED_VLLM_TEXT, installed_vllm_version, is_supported
+    from .compat import (
+        SUPPORTED_VLLM_TEXT,
+        installed_vllm_version,
+        is_supported,
+        unsupported_reason,
+    )
     from .device import detect_device_kind
 
     version = installed_vllm_version()
     env = environment()
+    patch_statuses = _patch_statuses(version)
+    refused = [p for p in patch_statuses if p["state"] == "refused"]
+    in_range = is_supported(version)
     report: dict[str, Any] = {
         "plugin_version": __version__,
         "vllm_version": version,
-        "vllm_supported": is_supported(version),
+        "vllm_ascend_version": _vllm_ascend_version(),
+        # supported = in the declared range and every required patch can apply (the same checks
+        # the patches run when vLLM loads the plugin)
+        "vllm_supported": in_range and not refused,
         "vllm_supported_range": SUPPORTED_VLLM_TEXT,
+        "vllm_supported_reason": (
+            unsupported_reason(version) if not in_range else
+            "; ".join(f"{p['patch']} refused: {p['reason']}" for p in refused) or
+            "every required patch can apply"),
+        "patches": patch_statuses,
         "platform": _vllm_platform(),
         "device_kind": detect_device_kind().value,
         "selected_backend": None,
@@ -124,6 +165,15 @@ def _print_human(report: dict[str, Any]) -> None:
     supported = "supported" if report["vllm_supported"] else "NOT supported"
     print(f"vllm-hybrid-backends {report['plugin_version']}")
     print(f"vLLM:      {report['vllm_version']} ({supported}; range {report['vllm_supported_range']})")
+    if not report["vllm_supported"]:
+        print(f"           {report['vllm_supported_reason']}")
+    if report["vllm_ascend_version"]:
+        print(f"vllm-ascend: {report['vllm_ascend_version']}")
+    if report["patches"]:
+        print("patches:")
+        for patch in report["patches"]:
+            reason = f": {patch['reason']}" if patch["reason"] else ""
+            print(f"  {patch['patch']:<58} {patch['process']:<6} {patch['state']}{reason}")
     print(f"platform:  {report['platform']}   device kind: {report['device_kind']}")
     if report["selected_backend"]:
         print(f"backend:   {report['selected_backend']}  ({report['selection_reason']})")
@@ -148,10 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     doctor = commands.add_parser("doctor", help="show vLLM, the platform and the backends")
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    argv = sys.argv[1:] if argv is None else argv
+    if "replay" in argv:
+        # vLLM logs to stdout by default and configures its logger when first imported (which
+        # the replay parser's imports may do): keep stdout for the report.
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from .replay import cli as replay_cli
 
     replay_cli.add_parser(commands)
-    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "replay":
         return replay_cli.run(args, argv[argv.index("replay") + 1:])

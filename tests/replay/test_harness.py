@@ -6,6 +6,7 @@ imported; the full-size default run is exercised by ``test_cli.py``.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -115,8 +116,7 @@ def test_plugin_policy_applies_its_patches_only_during_the_run():
     from vllm_hybrid_backends import patches
     from vllm_hybrid_backends.replay.policy import _resolve_owner
 
-    modules = [m for m in patches.patch_modules("engine")
-               if not (getattr(m, "OPTIONAL", False) and m.missing())]
+    modules = [m for m in patches.patch_modules("engine") if patches.check(m).state == patches.READY]
     targets = []
     for module in modules:
         target = importlib.import_module(module.TARGET_MODULE)
@@ -127,7 +127,7 @@ def test_plugin_policy_applies_its_patches_only_during_the_run():
     with get_policy("plugin").active() as applied:
         during = [vars(owner).get(attr) for owner, attr in targets]
     assert applied == [m.__name__.rsplit(".", 1)[-1] for m in modules]
-    assert "patch_vllm_platforms" in applied
+    assert "patch_vllm_v1_core_kv_cache_coordinator" in applied
     assert during != before  # something was patched ...
     assert [vars(owner).get(attr) for owner, attr in targets] == before  # ... and restored
     with get_policy("upstream").active() as none:
@@ -135,10 +135,10 @@ def test_plugin_policy_applies_its_patches_only_during_the_run():
 
 
 def test_upstream_refuses_to_run_with_the_plugin_patched_in_for_good():
-    from vllm_hybrid_backends.patches import patch_vllm_platforms
+    from vllm_hybrid_backends.patches import patch_vllm_v1_core_sched_scheduler
     from vllm_hybrid_backends.replay.policy import revertible_patches
 
-    with revertible_patches([patch_vllm_platforms]):  # stands in for vLLM loading the plugin
+    with revertible_patches([patch_vllm_v1_core_sched_scheduler]):  # as if vLLM loaded the plugin
         with pytest.raises(RuntimeError, match="patches are already applied in this process"):
             with get_policy("upstream").active():
                 pass
@@ -230,6 +230,12 @@ def test_mamba_block_smaller_than_attention_block_keeps_states_exact():
     assert max(r.hit_tokens for r in result.requests.values()) > 0
 
 
+#: Mamba2's internal prefill checkpoint exists from vLLM 0.32 on
+needs_mamba2_checkpoint = pytest.mark.skipif(
+    importlib.util.find_spec("vllm.model_executor.layers.mamba.checkpoint") is None,
+    reason="this vLLM has no Mamba2 prefill checkpoint (added in 0.32)")
+
+
 def upstream_bug(raises, reason, *, plugin_gap=None):
     """Parametrize ``policy`` over a reproduced upstream bug: upstream fails (strict xfail) and
     its twin under the plugin's policy passes, or is a strict xfail saying why the plugin does
@@ -263,6 +269,7 @@ def test_mamba_block_larger_than_attention_block(policy):
     "not fixed by the plugin yet: the stale column is in the worker's appended block table "
     "(vLLM's model runner), which no plugin patch rewrites; the plugin's checkpoint store "
     "writes where that table points"))
+@needs_mamba2_checkpoint
 def test_mamba2_checkpoint_with_spec_decode_hits_relocated_block(policy):
     trace = Trace("ckpt", [TraceRequest("r0", list(range(16, 33)), [16])])
     config = _tiny(shape=tiny_shape(("mamba", "attention"), kind="MAMBA2"), block_size=4,
@@ -302,7 +309,7 @@ FULL_POOL_CASES = [
     pytest.param("pd_mamba2_full_pool.jsonl", {"r3": 18, "r6": 128},
                  dict(shape=tiny_shape(("mamba", "attention"), kind="MAMBA2"), block_size=4,
                       cache_tokens=304, max_num_batched_tokens=64, max_num_seqs=4),
-                 id="mamba2-checkpoint-block"),
+                 id="mamba2-checkpoint-block", marks=needs_mamba2_checkpoint),
 ]
 
 
@@ -346,6 +353,7 @@ MID_BLOCK_CASES = [
 ]
 
 
+@needs_mamba2_checkpoint
 @pytest.mark.parametrize(("trace_file", "loads", "overrides", "policy"), MID_BLOCK_CASES)
 def test_mamba2_checkpoint_chunk_starting_mid_block(trace_file, loads, overrides, policy):
     trace = load_trace(Path(__file__).parent / "data" / trace_file)

@@ -1,21 +1,29 @@
 """Patches over vLLM, one module per patched vLLM module (``patch_<vllm module path>.py``).
 
 Every patch module exposes ``TARGET_MODULE``, ``TARGET_SYMBOLS``, ``PROCESS`` (``worker`` or
-``engine``), ``missing() -> list[str]`` (capability check: what it needs and cannot find) and
-``apply()`` (idempotent). :func:`apply_all` checks every patch of a process first and applies
-none if any check fails: never a half-patched engine. A module with ``OPTIONAL = True`` patches
-a package that is not always there (vllm-ascend): when its check fails it is skipped, with one
-log line, and never blocks the others. ``docs/patches.md`` is generated from the module
+``engine``), ``VLLM_VERSIONS`` (the vLLM releases it was written for, a specifier),
+``missing() -> list[str]`` (capability check: what it needs and cannot find, including target
+signatures that changed, :func:`vllm_hybrid_backends.compat.signature_problem`) and ``apply()``
+(idempotent); optionally ``not_needed() -> str | None`` (this vLLM lacks what the patch fixes,
+e.g. Mamba2's prefill checkpoint before 0.32). :func:`check` turns these into one
+:class:`PatchStatus` per module: ``ready``, ``not needed`` or ``refused``; doctor shows the
+same. :func:`apply_all` applies the ready patches of a process only if none of its required
+patches is refused: never a half-patched engine. A module with ``OPTIONAL = True`` patches a
+package that is not always there (vllm-ascend): when its check fails it counts as not needed. ``docs/patches.md`` is generated from the module
 docstrings (``python -m vllm_hybrid_backends.docs``) and a test keeps it current.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from types import ModuleType
 
+from ..compat import installed_vllm_version, version_allows
 from ..logs import logger
 from ..trace import trace_event
+
+READY, NOT_NEEDED, REFUSED, APPLIED = "ready", "not needed", "refused", "applied"
 
 PATCH_MODULES = (
     "vllm_hybrid_backends.patches.patch_vllm_platforms",
@@ -44,32 +52,71 @@ def _short(module: ModuleType) -> str:
     return module.__name__.rsplit(".", 1)[-1]
 
 
-def apply_all(process: str) -> bool:
-    """Apply every patch of ``process`` if all required ones can apply; return whether they did.
+@dataclass(frozen=True)
+class PatchStatus:
+    """What one patch module would do (or did) in this process, and why."""
 
-    Optional patches whose check fails are left out (one log line each); they never stop the
-    required ones, and nothing applies when a required one cannot.
-    """
-    checked = [(module, module.missing()) for module in patch_modules(process)]
-    problems = [f"{_short(m)}: {what}" for m, lacking in checked if not is_optional(m)
-                for what in lacking]
-    if problems:
+    name: str
+    process: str
+    state: str  # ready / not needed / refused / applied
+    reason: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        return {"patch": self.name, "process": self.process, "state": self.state,
+                "reason": self.reason}
+
+
+_applied: set[str] = set()
+
+
+def check(module: ModuleType) -> PatchStatus:
+    """The status of one patch module against the installed vLLM (the checks apply_all runs)."""
+    name, process = _short(module), module.PROCESS
+    if name in _applied:
+        return PatchStatus(name, process, APPLIED)
+    not_needed = getattr(module, "not_needed", None)
+    why_not = not_needed() if not_needed is not None else None
+    if why_not:
+        return PatchStatus(name, process, NOT_NEEDED, why_not)
+    versions = getattr(module, "VLLM_VERSIONS", None)
+    if versions is not None and not version_allows(versions):
+        return PatchStatus(name, process, REFUSED, f"written for vLLM {versions}, this is "
+                                                   f"{installed_vllm_version()}")
+    lacking = module.missing()
+    if lacking:
+        state = NOT_NEEDED if is_optional(module) else REFUSED
+        return PatchStatus(name, process, state, "; ".join(lacking))
+    return PatchStatus(name, process, READY)
+
+
+def statuses(process: str | None = None) -> list[PatchStatus]:
+    return [check(module) for module in patch_modules(process)]
+
+
+def apply_all(process: str) -> bool:
+    """Apply every ready patch of ``process`` if no required one is refused; return whether
+    they were applied. Says once per process what was patched and what not, and why."""
+    modules = patch_modules(process)
+    checked = [(module, check(module)) for module in modules]
+    refused = [status for _, status in checked if status.state == REFUSED]
+    if refused:
+        problems = [f"{status.name}: {status.reason}" for status in refused]
         logger.warning(
-            "hybrid_backends: this vLLM lacks what the %s patches need (%s); patching nothing",
-            process, "; ".join(problems),
-        )
+            "hybrid_backends: the %s patches cannot all apply to vLLM %s (%s); patching nothing",
+            process, installed_vllm_version(), "; ".join(problems))
         trace_event("patches_skipped", scope=process, problems=problems)
         return False
-    skipped = [m for m, lacking in checked if lacking]  # only optional ones can lack anything here
-    for module, lacking in checked:
-        if lacking:
-            logger.info("hybrid_backends: optional patch %s not applied: %s", _short(module),
-                        "; ".join(lacking))
-    applied = [m for m, lacking in checked if not lacking]
+    applied = [module for module, status in checked if status.state == READY]
     for module in applied:
         module.apply()
+        _applied.add(_short(module))
+    skipped = [status for _, status in checked if status.state == NOT_NEEDED]
+    logger.info("hybrid_backends: %s patches applied on vLLM %s: %s%s", process,
+                installed_vllm_version(), ", ".join(_short(m) for m in applied) or "none",
+                "".join(f"; not needed: {s.name} ({s.reason})" for s in skipped))
     trace_event("patches_applied", scope=process, patches=[m.__name__ for m in applied],
-                optional_skipped=[m.__name__ for m in skipped])
+                optional_skipped=[m.__name__ for m, status in checked
+                                  if status.state == NOT_NEEDED])
     return True
 
 
@@ -80,6 +127,7 @@ def revert_all(process: str) -> None:
         revert = getattr(module, "revert", None)
         if revert is not None:
             revert()
+        _applied.discard(_short(module))
     trace_event("patches_reverted", scope=process)
 
 
@@ -94,6 +142,7 @@ def render_index() -> str:
                   f"- target: `{module.TARGET_MODULE}`: "
                   + ", ".join(f"`{s}`" for s in module.TARGET_SYMBOLS),
                   f"- runs in: {module.PROCESS} processes",
+                  f"- written for vLLM: `{module.VLLM_VERSIONS}`",
                   *(["- optional: applied only where its capability check passes; otherwise "
                      "skipped without blocking the other patches"] if is_optional(module) else []),
                   "",

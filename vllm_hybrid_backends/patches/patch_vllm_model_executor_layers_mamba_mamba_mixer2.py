@@ -18,13 +18,14 @@
   rejected with an error rather than stored wrong.
 - Upstream: none (the kernel works on CUDA/ROCm; CPU has no Triton).
 - vLLM versions: 0.32.x, 0.33.x (``ops/ssd_checkpoint.py`` identical; same call in
-  ``mamba_mixer2.py``).
+  ``mamba_mixer2.py``); not needed before 0.32, which has no Mamba2 prefill checkpoint.
 - Removal: when vLLM-CPU implements the store, and vLLM exposes a checkpoint-store seam.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from ..types import CheckpointBatch, MambaStateTensor, StateKind
@@ -32,6 +33,7 @@ from ..types import CheckpointBatch, MambaStateTensor, StateKind
 TARGET_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
 TARGET_SYMBOLS = ("store_prefill_checkpoint",)
 PROCESS = "worker"
+VLLM_VERSIONS = ">=0.32.0,<0.34.0"
 
 LAYOUT_MODULE = "vllm.model_executor.layers.mamba.mamba_utils"
 
@@ -40,6 +42,22 @@ _ORIGINALS: dict[str, Any] = {}
 
 def _module() -> Any:
     return importlib.import_module(TARGET_MODULE)
+
+
+CHECKPOINT_MODULE = "vllm.model_executor.layers.mamba.ops.ssd_checkpoint"
+
+
+def not_needed() -> str | None:
+    """vLLM before 0.32 has no Mamba2 prefill checkpoint: nothing to store."""
+    try:
+        module = _module()
+    except Exception:
+        return None  # missing() names the import problem
+    if hasattr(module, "store_prefill_checkpoint") or importlib.util.find_spec(
+            CHECKPOINT_MODULE) is not None:
+        return None
+    return ("this vLLM has no Mamba2 prefill checkpoint (no mamba_mixer2.store_prefill_checkpoint, "
+            "no ops/ssd_checkpoint.py; added in 0.32)")
 
 
 def missing() -> list[str]:

@@ -12,7 +12,11 @@
   shared name; the platform's implementation stays inside as the wrapped original) and applies
   the worker-side patch modules. Runs once per process.
 - Upstream: no issue; this is the documented seam (``vllm/triton_utils/dispatcher.py``).
-- vLLM versions: 0.32.x, 0.33.x (identical hook and dispatcher in both).
+- vLLM versions: 0.32.x, 0.33.x (identical hook and dispatcher in both). Not needed on 0.30/0.31,
+  which have neither: there :func:`vllm_hybrid_backends.register` applies the worker patches
+  itself (vLLM calls it in every worker, ``WorkerWrapperBase.init_worker`` ->
+  ``load_general_plugins``, before the model is built) and backends' kernel overrides are
+  unavailable (doctor says so).
 - Removal: when vLLM offers a post-platform plugin hook in workers.
 """
 
@@ -27,6 +31,7 @@ TARGET_MODULE = "vllm.platforms"
 TARGET_SYMBOLS = ("current_platform.register_triton_kernel_overrides",
                   "vllm.triton_utils.dispatcher.register_kernels")
 PROCESS = "engine"
+VLLM_VERSIONS = ">=0.30.0,<0.34.0"
 
 _MARK = "_hybrid_backends_wrapped"
 
@@ -35,6 +40,24 @@ def _platform_class() -> Any:
     from vllm.platforms import current_platform
 
     return type(current_platform)
+
+
+def has_worker_seam() -> bool:
+    """Whether this vLLM has the post-platform worker hook and the kernel dispatcher (0.32+)."""
+    try:
+        cls = _platform_class()
+        from vllm.triton_utils import dispatcher  # noqa: F401
+    except Exception:
+        return False
+    return callable(getattr(cls, "register_triton_kernel_overrides", None))
+
+
+def not_needed() -> str | None:
+    if has_worker_seam():
+        return None
+    return ("this vLLM has no Platform.register_triton_kernel_overrides / "
+            "vllm.triton_utils.dispatcher (added in 0.32): register() applies the worker "
+            "patches in every process; backend kernel overrides are unavailable")
 
 
 def missing() -> list[str]:

@@ -1,8 +1,10 @@
 """Keep the Mamba states at the plugin's checkpoints and at decode boundaries, and evict a
 finished request's cached prefix from its end, all groups together.
 
-- Targets: ``vllm.v1.core.kv_cache_coordinator.replay_boundaries``,
-  ``KVCacheCoordinator.cache_blocks``, ``KVCacheCoordinator.free``,
+- Targets: ``vllm.v1.core.kv_cache_coordinator.replay_boundaries`` (0.32+; the method
+  ``KVCacheCoordinator.get_replay_boundaries`` on 0.30/0.31), ``cache_blocks`` of every
+  coordinator class that defines one (0.30/0.31's ``HybridKVCacheCoordinator`` overrides the
+  base's, so a wrapper on the base alone would never run), ``KVCacheCoordinator.free``,
   ``KVCacheCoordinator.remove_skipped_blocks``,
   ``KVCacheCoordinator.get_num_blocks_to_allocate``, ``KVCacheCoordinator.allocate_new_blocks``
   and ``HybridKVCacheCoordinator.find_longest_cache_hit``.
@@ -46,7 +48,9 @@ finished request's cached prefix from its end, all groups together.
   then splits, as before).
 - Upstream: vLLM #50551 (decode-end states for conversation reuse, open); retention semantics in
   ``vllm_map.md`` §4(d) (interior states: option A there).
-- vLLM versions: 0.32.x, 0.33.x (same signatures).
+- vLLM versions: 0.30.x-0.33.x. 0.30/0.31: the replay boundaries are a coordinator method,
+  ``HybridKVCacheCoordinator`` overrides ``cache_blocks``, ``get_num_blocks_to_allocate`` has no
+  ``prefill_end`` (passed only where the original takes it).
 - Removal: when vLLM keeps caller-chosen boundaries itself.
 """
 
@@ -54,22 +58,28 @@ from __future__ import annotations
 
 import contextvars
 import importlib
+import inspect
 from typing import Any
 
 from .. import align
+from ..compat import signature_problem
 from . import patch_vllm_v1_core_kv_cache_manager as manager_patch
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_coordinator"
-TARGET_SYMBOLS = ("replay_boundaries", "KVCacheCoordinator.cache_blocks", "KVCacheCoordinator.free",
+TARGET_SYMBOLS = ("replay_boundaries", "KVCacheCoordinator.get_replay_boundaries",
+                  "KVCacheCoordinator.cache_blocks", "HybridKVCacheCoordinator.cache_blocks",
+                  "KVCacheCoordinator.free",
                   "KVCacheCoordinator.remove_skipped_blocks",
                   "KVCacheCoordinator.get_num_blocks_to_allocate",
                   "KVCacheCoordinator.allocate_new_blocks",
                   "HybridKVCacheCoordinator.find_longest_cache_hit")
-_WRAPPED = ("cache_blocks", "free", "remove_skipped_blocks", "get_num_blocks_to_allocate",
-            "allocate_new_blocks")
+_WRAPPED = ("free", "remove_skipped_blocks", "get_num_blocks_to_allocate", "allocate_new_blocks")
 PROCESS = "engine"
+VLLM_VERSIONS = ">=0.30.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
+#: vLLM 0.32+ passes ``prefill_end`` to ``get_num_blocks_to_allocate``; 0.30/0.31 do not.
+_TAKES_PREFILL_END = True
 #: (request, policy, memo of admitted boundaries) while ``cache_blocks`` runs for a request.
 _caching_for: contextvars.ContextVar[Any] = contextvars.ContextVar("hybrid_caching_for", default=None)
 #: What this engine process has learned about which extra states get reused (one per process).
@@ -89,10 +99,11 @@ def missing() -> list[str]:
     except Exception as exc:
         return [f"import {TARGET_MODULE}: {exc}"]
     problems = []
-    if not callable(getattr(module, "replay_boundaries", None)):
-        problems.append("replay_boundaries")
     coordinator = getattr(module, "KVCacheCoordinator", None)
-    for name in (*_WRAPPED, "pop_blocks_for_free"):
+    if not callable(getattr(module, "replay_boundaries", None)) and \
+            not callable(getattr(coordinator, "get_replay_boundaries", None)):
+        problems.append("replay_boundaries (0.32+) or KVCacheCoordinator.get_replay_boundaries (0.30)")
+    for name in (*_WRAPPED, "cache_blocks", "pop_blocks_for_free"):
         if not callable(getattr(coordinator, name, None)):
             problems.append(f"KVCacheCoordinator.{name}")
     try:
@@ -105,7 +116,41 @@ def missing() -> list[str]:
     hybrid = getattr(module, "HybridKVCacheCoordinator", None)
     if not callable(getattr(hybrid, "find_longest_cache_hit", None)):
         problems.append("HybridKVCacheCoordinator.find_longest_cache_hit")
-    return problems
+    if problems:
+        return problems
+    assert coordinator is not None and hybrid is not None
+    signatures: list[tuple[Any, str, tuple[str, ...]]] = [
+        (hybrid.find_longest_cache_hit, "HybridKVCacheCoordinator.find_longest_cache_hit",
+         ("self", "block_hashes", "max_cache_hit_length")),
+        (coordinator.get_num_blocks_to_allocate, "KVCacheCoordinator.get_num_blocks_to_allocate",
+         ("self", "request_id", "num_tokens", "new_computed_blocks", "num_encoder_tokens",
+          "total_computed_tokens", "num_local_computed_tokens", "num_tokens_main_model")),
+        (coordinator.allocate_new_blocks, "KVCacheCoordinator.allocate_new_blocks",
+         ("self", "request_id", "num_tokens", "num_tokens_main_model")),
+        (coordinator.free, "KVCacheCoordinator.free", ("self", "request_id")),
+    ]
+    problems += [problem for problem in [signature_problem(
+        _unwrapped(coordinator.remove_skipped_blocks, "KVCacheCoordinator.remove_skipped_blocks"),
+        "KVCacheCoordinator.remove_skipped_blocks", ("self", "request_id"), closed=False)]
+        if problem]
+    signatures += [(vars(cls)["cache_blocks"], f"{cls.__name__}.cache_blocks",
+                    ("self", "request", "num_computed_tokens"))
+                   for cls in _coordinator_classes(module) if "cache_blocks" in vars(cls)]
+    if callable(getattr(module, "replay_boundaries", None)):
+        signatures.append((module.replay_boundaries, "replay_boundaries",
+                           ("num_prompt_tokens", "scheduler_block_size", "use_eagle")))
+    else:
+        signatures.append((coordinator.get_replay_boundaries,
+                           "KVCacheCoordinator.get_replay_boundaries", ("self", "request")))
+    return problems + [problem for function, where, expected in signatures
+                       if (problem := signature_problem(_unwrapped(function, where), where, expected))]
+
+
+def _unwrapped(function: Any, key: str) -> Any:
+    """The vLLM function behind one of this module's wrappers (checks run before and after apply)."""
+    if getattr(function, "_hybrid_backends_wrapper", False):
+        return _ORIGINALS.get(key, function)
+    return function
 
 
 def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int, use_eagle: bool) -> tuple[int, ...]:
@@ -115,6 +160,20 @@ def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int, use_eag
         return base
     request, policy, memo = caching
     extra = _admitted_boundaries(request, policy, num_prompt_tokens, scheduler_block_size, memo)
+    if not extra:
+        return base
+    return tuple(sorted(set(base).union(p for positions in extra.values() for p in positions)))
+
+
+def get_replay_boundaries(self: Any, request: Any) -> tuple[int, ...]:
+    """vLLM 0.30/0.31 form of :func:`replay_boundaries`: a coordinator method of the request."""
+    base = _ORIGINALS["KVCacheCoordinator.get_replay_boundaries"](self, request)
+    caching = _caching_for.get()
+    if caching is None:
+        return base
+    _, policy, memo = caching
+    extra = _admitted_boundaries(request, policy, request.num_prompt_tokens,
+                                 self.scheduler_block_size, memo)
     if not extra:
         return base
     return tuple(sorted(set(base).union(p for positions in extra.values() for p in positions)))
@@ -212,14 +271,26 @@ def _internal_prefill_checkpoints(coordinator: Any) -> bool:
     return known
 
 
-def cache_blocks(self: Any, request: Any, num_computed_tokens: int) -> None:
+def _cache_blocks_of(cls_name: str) -> Any:
+    """``cache_blocks`` wrapped for one coordinator class that defines its own (0.30's
+    ``HybridKVCacheCoordinator`` overrides the base: a wrapper on the base alone is bypassed)."""
+
+    def wrapped(self: Any, request: Any, num_computed_tokens: int) -> None:
+        _cache_blocks(_ORIGINALS[f"{cls_name}.cache_blocks"], self, request, num_computed_tokens)
+
+    wrapped.__name__ = wrapped.__qualname__ = "cache_blocks"
+    wrapped._hybrid_backends_wrapper = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: int) -> None:
     managers = _mamba_managers(self)
     for manager in _one_per_block_size(self, managers):  # groups of one size cache in lockstep
         if manager.num_cached_block.get(request.request_id, 0) < num_computed_tokens // manager.block_size:
             break
     else:
         # No Mamba block becomes full: the boundaries cannot matter (the hot decode path).
-        _ORIGINALS["KVCacheCoordinator.cache_blocks"](self, request, num_computed_tokens)
+        original(self, request, num_computed_tokens)
         return
     policy = align.policy_for_model(
         align.active_policy(), internal_prefill_checkpoints=_internal_prefill_checkpoints(self),
@@ -227,7 +298,7 @@ def cache_blocks(self: Any, request: Any, num_computed_tokens: int) -> None:
     memo: dict[Any, Any] = {}
     token = _caching_for.set((request, policy, memo))
     try:
-        _ORIGINALS["KVCacheCoordinator.cache_blocks"](self, request, num_computed_tokens)
+        original(self, request, num_computed_tokens)
     finally:
         _caching_for.reset(token)
     if policy.adaptive_retention:
@@ -327,10 +398,11 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
                                total_computed_tokens: int, num_local_computed_tokens: int,
                                num_tokens_main_model: int, apply_admission_cap: bool = False,
                                prefill_end: int = 0) -> int:
+    extra = {"prefill_end": prefill_end} if _TAKES_PREFILL_END else {}
     count = _ORIGINALS["KVCacheCoordinator.get_num_blocks_to_allocate"](
         self, request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
         total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
-        apply_admission_cap=apply_admission_cap, prefill_end=prefill_end)
+        apply_admission_cap=apply_admission_cap, **extra)
     managers = _interior_managers(self)
     if not managers:
         return count
@@ -413,8 +485,22 @@ def _evict_first_among_cached(queue: Any, blocks: list[Any]) -> None:
     queue.num_free_blocks += len(blocks)
 
 
+def _coordinator_classes(module: Any) -> list[type]:
+    """The module's coordinator classes (the base first), each defining what it overrides."""
+    base = module.KVCacheCoordinator
+    return [cls for cls in vars(module).values()
+            if isinstance(cls, type) and issubclass(cls, base) and cls.__module__ == module.__name__]
+
+
+_WRAPPERS: tuple[Any, ...] = (replay_boundaries, get_replay_boundaries, find_longest_cache_hit,
+                              free, remove_skipped_blocks, get_num_blocks_to_allocate,
+                              allocate_new_blocks)
+for _wrapper in _WRAPPERS:
+    _wrapper._hybrid_backends_wrapper = True
+
+
 def apply() -> None:
-    global LEDGER
+    global LEDGER, _TAKES_PREFILL_END
     align.refresh_policy()
     module = _module()
     if module.HybridKVCacheCoordinator.find_longest_cache_hit is not find_longest_cache_hit:
@@ -423,14 +509,26 @@ def apply() -> None:
         _ORIGINALS["HybridKVCacheCoordinator.find_longest_cache_hit"] = (
             module.HybridKVCacheCoordinator.find_longest_cache_hit)
         module.HybridKVCacheCoordinator.find_longest_cache_hit = find_longest_cache_hit
-    if module.replay_boundaries is not replay_boundaries:
-        _ORIGINALS["replay_boundaries"] = module.replay_boundaries
-        module.replay_boundaries = replay_boundaries
+    if callable(getattr(module, "replay_boundaries", None)):
+        if module.replay_boundaries is not replay_boundaries:
+            _ORIGINALS["replay_boundaries"] = module.replay_boundaries
+            module.replay_boundaries = replay_boundaries
+    elif module.KVCacheCoordinator.get_replay_boundaries is not get_replay_boundaries:
+        _ORIGINALS["KVCacheCoordinator.get_replay_boundaries"] = (
+            module.KVCacheCoordinator.get_replay_boundaries)
+        module.KVCacheCoordinator.get_replay_boundaries = get_replay_boundaries
+    for cls in _coordinator_classes(module):
+        current = vars(cls).get("cache_blocks")
+        if current is not None and not getattr(current, "_hybrid_backends_wrapper", False):
+            _ORIGINALS[f"{cls.__name__}.cache_blocks"] = current
+            cls.cache_blocks = _cache_blocks_of(cls.__name__)  # type: ignore[attr-defined]
     for name in _WRAPPED:
         wrapper = globals()[name]
         if getattr(module.KVCacheCoordinator, name) is not wrapper:
             _ORIGINALS[f"KVCacheCoordinator.{name}"] = getattr(module.KVCacheCoordinator, name)
             setattr(module.KVCacheCoordinator, name, wrapper)
+    _TAKES_PREFILL_END = "prefill_end" in inspect.signature(
+        _ORIGINALS["KVCacheCoordinator.get_num_blocks_to_allocate"]).parameters
 
 
 def revert() -> None:
@@ -440,6 +538,12 @@ def revert() -> None:
             "HybridKVCacheCoordinator.find_longest_cache_hit")
     if "replay_boundaries" in _ORIGINALS:
         module.replay_boundaries = _ORIGINALS.pop("replay_boundaries")
+    if "KVCacheCoordinator.get_replay_boundaries" in _ORIGINALS:
+        module.KVCacheCoordinator.get_replay_boundaries = _ORIGINALS.pop(
+            "KVCacheCoordinator.get_replay_boundaries")
+    for cls in _coordinator_classes(module):
+        if f"{cls.__name__}.cache_blocks" in _ORIGINALS:
+            cls.cache_blocks = _ORIGINALS.pop(f"{cls.__name__}.cache_blocks")  # type: ignore[attr-defined]
     for name in _WRAPPED:
         if f"KVCacheCoordinator.{name}" in _ORIGINALS:
             setattr(module.KVCacheCoordinator, name, _ORIGINALS.pop(f"KVCacheCoordinator.{name}"))

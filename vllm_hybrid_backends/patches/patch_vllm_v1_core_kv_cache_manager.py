@@ -9,7 +9,7 @@
   counted some (``Allocation.interior``) and vLLM then found too few free blocks, the wrapper
   allocates once more without them, so they never keep a request from being scheduled.
 - Upstream: none (no seam passes the request down).
-- vLLM versions: 0.32.x, 0.33.x (same signature).
+- vLLM versions: 0.30.x-0.33.x (same signature, checked when it binds).
 - Removal: with the interior states of ``patch_vllm_v1_core_kv_cache_coordinator``.
 """
 
@@ -19,9 +19,12 @@ import contextvars
 import importlib
 from typing import Any
 
+from ..compat import signature_problem
+
 TARGET_MODULE = "vllm.v1.core.kv_cache_manager"
 TARGET_SYMBOLS = ("KVCacheManager.allocate_slots",)
 PROCESS = "engine"
+VLLM_VERSIONS = ">=0.30.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
 class Allocation:
@@ -48,7 +51,11 @@ def missing() -> list[str]:
         cls = _manager_class()
     except Exception as exc:
         return [f"import {TARGET_MODULE}: {exc}"]
-    return [] if callable(getattr(cls, "allocate_slots", None)) else [TARGET_SYMBOLS[0]]
+    if not callable(getattr(cls, "allocate_slots", None)):
+        return [TARGET_SYMBOLS[0]]
+    problem = signature_problem(_ORIGINALS.get("allocate_slots", cls.allocate_slots),
+                                TARGET_SYMBOLS[0], ("self", "request"), closed=False)
+    return [problem] if problem else []
 
 
 def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:

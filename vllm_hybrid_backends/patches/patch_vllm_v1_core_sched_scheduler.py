@@ -18,7 +18,7 @@
   requests of models with Mamba groups in align mode are touched.
 - Upstream: vLLM #54076 (chunk ends off the Mamba grid, open); the agentic miss is §4(a) of
   ``vllm_map.md``; junction checkpoints #37898 only help the third request.
-- vLLM versions: 0.32.x, 0.33.x (the method is unchanged but for lookahead plumbing).
+- vLLM versions: 0.30.x-0.33.x (the method's signature is checked when it binds).
 - Removal: when vLLM retains intermediate boundaries itself and splits on the Mamba block.
 """
 
@@ -28,11 +28,13 @@ import importlib
 from typing import Any
 
 from .. import align
+from ..compat import signature_problem
 from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
 
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
 TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split",)
 PROCESS = "engine"
+VLLM_VERSIONS = ">=0.30.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
 
@@ -46,7 +48,13 @@ def missing() -> list[str]:
         cls = _scheduler_class()
     except Exception as exc:
         return [f"import {TARGET_MODULE}: {exc}"]
-    return [] if callable(getattr(cls, "_mamba_block_aligned_split", None)) else [TARGET_SYMBOLS[0]]
+    split = getattr(cls, "_mamba_block_aligned_split", None)
+    if not callable(split):
+        return [TARGET_SYMBOLS[0]]
+    problem = signature_problem(split, TARGET_SYMBOLS[0], (
+        "self", "request", "num_new_tokens", "num_new_local_computed_tokens",
+        "num_external_computed_tokens"))
+    return [problem] if problem else []
 
 
 def _mamba_block_aligned_split(self: Any, request: Any, num_new_tokens: int,

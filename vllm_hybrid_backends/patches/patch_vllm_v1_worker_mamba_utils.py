@@ -52,6 +52,7 @@ CONTEXT_METHODS = ("initialize_from_forward_context", "run_fused_precopy", "run_
 TARGET_SYMBOLS = ("collect_mamba_copy_meta", "do_mamba_copy_block",
                   *(f"{CONTEXT_CLASS}.{name}" for name in CONTEXT_METHODS))
 PROCESS = "worker"
+VLLM_VERSIONS = ">=0.30.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
 

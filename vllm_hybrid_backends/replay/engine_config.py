@@ -10,6 +10,7 @@ sizing (``get_kv_cache_config_from_groups``), then the engine core's block-size 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import tempfile
@@ -216,6 +217,14 @@ def _vllm_function(name: str) -> Any:
                              "kv_cache_planning and kv_cache_utils)")
 
 
+def _pool_bytes_per_block(config: Any, groups: Any) -> int:
+    """vLLM's bytes per pool block: ``(config, groups)`` from 0.32, ``(groups)`` in 0.30/0.31."""
+    function = _vllm_function("_pool_bytes_per_block")
+    if len(inspect.signature(function).parameters) == 1:
+        return int(function(groups))
+    return int(function(config, groups))
+
+
 def build_engine_setup(
     shape: ModelShape, layout: KVLayout, *, max_num_batched_tokens: int, max_num_seqs: int,
     max_model_len: int, long_prefill_token_threshold: int = 0,
@@ -246,7 +255,7 @@ def build_engine_setup(
 
     specs = _layer_specs(shape, layout)
     groups = _vllm_function("get_kv_cache_groups")(config, specs)
-    memory = layout.num_blocks * _vllm_function("_pool_bytes_per_block")(config, groups)
+    memory = layout.num_blocks * _pool_bytes_per_block(config, groups)
     worker_config = _vllm_function("get_kv_cache_config_from_groups")(config, groups, memory)
     kv_config = _vllm_function("generate_scheduler_kv_cache_config")([worker_config])
     assert kv_config.num_blocks == layout.num_blocks, (kv_config.num_blocks, layout.num_blocks)
@@ -258,8 +267,10 @@ def build_engine_setup(
     scheduler_block_size, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(
         kv_config, config)
     kv_config.hash_block_size = hash_block_size
-    kv_config.cache_hit_alignment_tokens = kv_cache_utils.resolve_cache_hit_alignment_tokens(
-        kv_config, config, scheduler_block_size, hash_block_size)
+    # vLLM 0.30/0.31 have no cache-hit alignment (None there: no alignment beyond the blocks)
+    resolve_alignment = getattr(kv_cache_utils, "resolve_cache_hit_alignment_tokens", None)
+    kv_config.cache_hit_alignment_tokens = resolve_alignment(
+        kv_config, config, scheduler_block_size, hash_block_size) if resolve_alignment else None
     cache.hash_block_size = hash_block_size
     cache.cache_hit_alignment_tokens = kv_config.cache_hit_alignment_tokens
     mamba = [i for i, g in enumerate(kv_config.kv_cache_groups)

@@ -52,15 +52,17 @@ def _resolve_owner(module: ModuleType, symbol: str) -> tuple[list[Any], str]:
 def revertible_patches(patch_modules: Sequence[ModuleType]) -> Iterator[list[str]]:
     """Apply the patch modules (all-or-nothing), yield their names, restore on exit.
 
-    As in :func:`vllm_hybrid_backends.patches.apply_all`, a module marked ``OPTIONAL`` whose
-    capability check fails is left out instead of failing the rest.
+    The same checks as :func:`vllm_hybrid_backends.patches.apply_all`: a patch this vLLM does
+    not need (or an optional one whose check fails) is left out, a refused one fails the rest.
     """
-    lacking = {m: m.missing() for m in patch_modules}
-    problems = [f"{m.__name__}: {what}" for m in patch_modules
-                if not getattr(m, "OPTIONAL", False) for what in lacking[m]]
+    from ..patches import APPLIED, NOT_NEEDED, REFUSED, check
+
+    statuses = {m: check(m) for m in patch_modules}
+    problems = [f"{m.__name__}: {status.reason}" for m, status in statuses.items()
+                if status.state == REFUSED]
     if problems:
         raise RuntimeError("cannot apply the plugin's patches: " + "; ".join(problems))
-    patch_modules = [m for m in patch_modules if not lacking[m]]
+    patch_modules = [m for m in patch_modules if statuses[m].state not in (NOT_NEEDED, APPLIED)]
     saved: list[tuple[Any, str, Any]] = []
     for module in patch_modules:
         target = importlib.import_module(module.TARGET_MODULE)
