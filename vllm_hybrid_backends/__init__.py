@@ -18,8 +18,9 @@ _unsupported_warned = False
 def register() -> None:
     """vLLM general-plugin entry point: cheap, idempotent per process.
 
-    On a supported vLLM it wraps the platform's worker-side kernel-override hook (see
-    :mod:`.patches.patch_vllm_platforms`); everything heavier happens there, in workers only.
+    On a supported vLLM it applies the engine-side patches and wraps the platform's worker-side
+    kernel-override hook (see :mod:`.patches.patch_vllm_platforms`), where the worker patches
+    go in; on vLLM 0.30/0.31, which lack that hook, it applies the worker patches itself.
     On any other version it warns once and patches nothing.
     """
     global _registered, _unsupported_warned
@@ -40,6 +41,15 @@ def register() -> None:
         trace_event("register_unsupported", vllm_version=version)
         return
     from . import patches
+    from .patches import patch_vllm_platforms
 
     applied = patches.apply_all("engine")
+    if applied and not patch_vllm_platforms.has_worker_seam():
+        # vLLM 0.30/0.31: no worker-only hook; register() runs in every worker before the
+        # model is built, so the worker patches go in here (harmless where no model runs).
+        if patches.apply_all("worker"):
+            from . import plugins
+
+            trace_event("worker_side_installed", backend=plugins.selected_backend(), kernels=[],
+                        via="register")
     trace_event("registered", vllm_version=version, patched=applied)

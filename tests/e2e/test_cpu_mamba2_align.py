@@ -8,6 +8,7 @@ outputs for the repeated prompt show that stored state is right.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import random
@@ -37,6 +38,8 @@ def _run(prompts, *, prefix_caching: bool, plugins: str, env=None):
                       max_tokens=MAX_TOKENS, extra_llm_kwargs=ENGINE, plugins=plugins, env=env)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm.model_executor.layers.mamba.checkpoint") is None,
+                    reason="before 0.32 vLLM has no Mamba2 prefill checkpoint, the path that crashes")
 def test_mamba2_align_mode_crashes_without_the_plugin():
     with pytest.raises(EngineError) as failure:
         _run(_prompts()[:1], prefix_caching=True, plugins="")
@@ -64,6 +67,6 @@ def test_mamba2_align_mode_with_the_plugin_matches_no_caching(tmp_path):
 
     # the checkpoint inside A's prefill was stored by the selected backend, in the worker
     events = [json.loads(line) for line in trace.read_text().splitlines()]
-    workers = {e["pid"] for e in events if e["event"] == "kernel_overrides_installed"}
+    workers = {e["pid"] for e in events if e["event"] == "worker_side_installed"}
     calls = {(e["hook"], e["backend"]) for e in events if e["event"] == "hook_called" and e["pid"] in workers}
     assert {("hb_store_checkpoints", "cpu"), ("hb_copy_state_blocks", "cpu")} <= calls, events

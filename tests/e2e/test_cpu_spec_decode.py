@@ -64,7 +64,7 @@ def test_spec_decode_with_prefix_caching_matches_no_caching(tmp_path):
     assert len(set(first.output_token_ids)) > 1, first.output_token_ids
 
     events = [json.loads(line) for line in trace.read_text().splitlines()]
-    workers = {e["pid"] for e in events if e["event"] == "kernel_overrides_installed"}
+    workers = {e["pid"] for e in events if e["event"] == "worker_side_installed"}
     assert workers
     in_worker = [e for e in events if e["pid"] in workers]
     calls = {(e["hook"], e["backend"]) for e in in_worker if e["event"] == "hook_called"}

@@ -64,7 +64,7 @@ def test_plugin_runs_in_every_process_and_routes_state_copies(runs):
     names = " ".join(e["process"] for e in registered.values())
     assert "EngineCore" in names and "Worker" in names, names
 
-    installed = [e for e in events if e["event"] == "kernel_overrides_installed"]
+    installed = [e for e in events if e["event"] == "worker_side_installed"]
     assert installed and all(e["backend"] == "cpu" for e in installed)
     assert any(e["event"] == "patches_applied" and e["scope"] == "worker" and e["pid"] == installed[0]["pid"]
                for e in events)

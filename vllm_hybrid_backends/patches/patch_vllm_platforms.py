@@ -89,8 +89,8 @@ def install_worker_side(platform_name: str) -> None:
     overrides = plugins.kernel_overrides(platform_name)
     if overrides:
         register_kernels(overrides)
-    trace_event("kernel_overrides_installed", backend=plugins.selected_backend(),
-                kernels=sorted(overrides))
+    trace_event("worker_side_installed", backend=plugins.selected_backend(),
+                kernels=sorted(overrides), via="platform hook")
 
 
 def apply() -> None:

@@ -32,7 +32,9 @@
   methods.
 - Upstream: vLLM's own comment "TODO(Chen): we need to optimize this function a lot" in
   ``preprocess_mamba``; the fused kernels' missing CPU versions have no issue number.
-- vLLM versions: 0.32.x, 0.33.x (``v1/worker/mamba_utils.py`` is identical in both).
+- vLLM versions: 0.30.x-0.33.x (``v1/worker/mamba_utils.py`` is identical in 0.32 and 0.33;
+  0.30/0.31 index the V2 block tables by batch position under an ``idx_mapping`` and have no
+  ``aligned_index_block_tables``: both handled where the rows are chosen).
 - Removal: when vLLM exposes a block-level state-copy seam and CPU versions of the fused kernels.
 """
 
@@ -42,6 +44,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..compat import version_allows
 from ..trace import trace_event, trace_path
 from ..types import MambaStateTensor, StateKind
 
@@ -55,6 +58,8 @@ PROCESS = "worker"
 VLLM_VERSIONS = ">=0.30.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
+#: vLLM 0.30/0.31's V2 block tables are in batch order under an idx_mapping (0.32: request slots)
+_TABLES_IN_BATCH_ORDER = version_allows("<0.32")
 
 
 @dataclass
@@ -210,9 +215,10 @@ def _view(ctx: Any) -> _ContextView | None:
 def initialize_from_forward_context(self: Any, kv_cache_config: Any, forward_context: dict[str, Any],
                                     mamba_state_copy_funcs: Any, block_tables: list[Any],
                                     aligned_index_block_tables: list[Any] | None = None) -> None:
+    # vLLM 0.30/0.31 have no aligned_index_block_tables parameter
+    extra = () if aligned_index_block_tables is None else (aligned_index_block_tables,)
     _ORIGINALS["initialize_from_forward_context"](
-        self, kv_cache_config, forward_context, mamba_state_copy_funcs, block_tables,
-        aligned_index_block_tables)
+        self, kv_cache_config, forward_context, mamba_state_copy_funcs, block_tables, *extra)
     if not self.is_initialized or _view(self) is not None:
         return
     states = _states_for(kv_cache_config, mamba_state_copy_funcs, list(self.mamba_group_ids),
@@ -238,6 +244,16 @@ def _trace_first(event: str, values: Any, above: int) -> None:
     if largest > above:
         _traced.add(event)
         trace_event(event, largest=largest)
+
+
+def _table_rows(rows: Any, idx_mapping: Any) -> Any:
+    """Block-table rows of the batch rows: request-state slots (vLLM 0.32+), or, under an
+    ``idx_mapping`` on 0.30/0.31, the batch positions (their V2 tables are in batch order)."""
+    if idx_mapping is None or not _TABLES_IN_BATCH_ORDER:
+        return rows
+    import torch
+
+    return torch.arange(rows.shape[0], device=rows.device)
 
 
 def _batch_rows(num_reqs: int, idx_mapping: Any, device: Any) -> tuple[Any, Any]:
@@ -272,12 +288,14 @@ def run_fused_precopy(self: Any, num_reqs: int, state_idx_gpu: Any, src_col_gpu:
         skip = skip | ~valid
     bias = torch.where(skip, 0, token_bias_gpu[rows])
     _trace_first("precopy_token_bias", bias, 0)
-    plugins.precopy_running_states(view.states, [table[rows] for table in view.block_tables],
+    table_rows = _table_rows(rows, idx_mapping)
+    plugins.precopy_running_states(view.states, [table[table_rows] for table in view.block_tables],
                                    torch.where(skip, -1, src), dst, bias)
 
 
 def _postprocess(ctx: Any, view: _ContextView, rows: Any, valid: Any, running_cols: Any,
                  running_tokens: Any, accepted: Any, accepted_out: Any) -> None:
+    """``rows``: the block-table rows (:func:`_table_rows`)."""
     """One ``hb_postprocess_accepted_states`` call for the given request-slot rows."""
     import torch
 
@@ -338,7 +356,8 @@ def run_fused_postprocess_align(self: Any, num_reqs: int, num_accepted_tokens_gp
     # PRECOMPUTED_NEW_COMPUTED: the running state covers new_computed - accepted + 1 tokens
     running_tokens = new_num_computed_tokens_gpu[rows] - accepted + 1
     out = accepted.clone()
-    _postprocess(self, view, rows, valid, state_idx_gpu[rows], running_tokens, accepted, out)
+    _postprocess(self, view, _table_rows(rows, idx_mapping), valid, state_idx_gpu[rows],
+                 running_tokens, accepted, out)
     # write back without a host sync: the hook only lowers counts (to 1); skipped rows keep theirs
     if valid is not None:
         out = torch.where(valid, out, torch.full_like(out, torch.iinfo(out.dtype).max))

