@@ -12,6 +12,7 @@ docstrings (``python -m vllm_hybrid_backends.docs``) and a test keeps it current
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 from ..logs import logger
@@ -29,6 +30,7 @@ PATCH_MODULES = (
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_kv_cache_coordinator",
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_kv_cache_manager",
 )
+_announced: set[str] = set()  # process kinds whose patches were announced in this process
 
 
 def patch_modules(process: str | None = None) -> list[ModuleType]:
@@ -68,6 +70,10 @@ def apply_all(process: str) -> bool:
     applied = [m for m, lacking in checked if not lacking]
     for module in applied:
         module.apply()
+    if applied and process not in _announced:
+        _announced.add(process)
+        logger.info("hybrid_backends: applied %d patches (pid %d, %s process): %s", len(applied),
+                    os.getpid(), process, ", ".join(_short(m) for m in applied))
     trace_event("patches_applied", scope=process, patches=[m.__name__ for m in applied],
                 optional_skipped=[m.__name__ for m in skipped])
     return True
