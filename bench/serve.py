@@ -192,9 +192,13 @@ class Server:
             pass
         self.proc.wait()
 
-    def errors(self) -> list[str]:
-        return [line for line in self.log().splitlines()
-                if "Traceback" in line or " ERROR " in line]
+    def errors(self) -> tuple[list[str], list[str]]:
+        """Error lines while serving, and during shutdown: on SIGINT vLLM 0.32 aborts with
+        timeout 0 and its output handler logs ``EngineDeadError`` after the work is done."""
+        lines = self.log().splitlines()
+        cut = next((i for i, line in enumerate(lines) if "[shutdown]" in line), len(lines))
+        bad = [i for i, line in enumerate(lines) if "Traceback" in line or " ERROR " in line]
+        return [lines[i] for i in bad if i < cut], [lines[i] for i in bad if i >= cut]
 
 
 # --- multi-turn chat --------------------------------------------------------------------------
@@ -365,7 +369,7 @@ def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -
             finally:
                 server.stop()
             summary["server_hit"] = hit_rate(before, after)
-            summary["server_errors"] = server.errors()
+            summary["server_errors"], summary["shutdown_errors"] = server.errors()
             runs[policy].append(summary)
             progress(f"{policy}: mean TTFT {summary['ttft_mean_s'] * 1e3:.0f} ms, server hit "
                      f"rate {summary['server_hit']['rate']}")
@@ -394,6 +398,7 @@ def _merge(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     hits = sum(r["server_hit"]["hits"] for r in runs)
     out["server_hit_rate"] = hits / queries if queries else None
     out["server_errors"] = sum(len(r["server_errors"]) for r in runs)
+    out["shutdown_errors"] = sum(len(r["shutdown_errors"]) for r in runs)
     out["runs"] = len(runs)
     return out
 

@@ -92,3 +92,17 @@ def test_smoke_plugin_and_upstream_servers():
         assert s["server_errors"] == 0 and s["server_hit_rate"] > 0
     assert res["ttft_mean_ratio"] > 0
     assert "starting the plugin server" in r.stderr
+
+
+def test_errors_after_shutdown_are_kept_apart(bench, tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(EngineCore pid=1) ERROR 11-25 04:20:00 [core.py:1] boom while serving\n"
+        "(APIServer pid=2) INFO 11-25 04:29:44 [launcher.py:254] [shutdown] API server: "
+        "shutdown triggered\n"
+        "(APIServer pid=2) ERROR 11-25 04:29:44 [async_llm.py:906] Traceback (most recent "
+        "call last):\n")
+    server = bench.Server("plugin", tmp_path, "bfloat16", log_path=log)
+    serving, shutdown = server.errors()
+    assert [s.split("] ")[1] for s in serving] == ["boom while serving"]
+    assert len(shutdown) == 1 and "async_llm.py" in shutdown[0]
