@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -336,7 +337,8 @@ def drive_bench_serve(name: str, server: Server, args: argparse.Namespace) -> di
     parser = FlexibleArgumentParser()
     vllm_bench.add_cli_args(parser)
     bench_args = parser.parse_args(bench_serve_argv(name, server, args))
-    out = vllm_bench.main(bench_args)
+    with contextlib.redirect_stdout(sys.stderr):  # its report would break --json on stdout
+        out = vllm_bench.main(bench_args)
     if out.get("failed"):
         raise RuntimeError(f"{name}: {out['failed']} requests failed")
     return {"requests": out["completed"], "ttft_mean_s": out["mean_ttft_ms"] / 1e3,
