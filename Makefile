@@ -3,7 +3,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-vllm033 lint test test-vllm033 test-matrix demo fuzz bench docs
+.PHONY: setup setup-vllm033 lint test test-vllm033 test-matrix demo fuzz bench bench-serve bench-serve-smoke docs
 
 setup:
 	bash scripts/setup_env.sh
@@ -40,6 +40,14 @@ demo: setup
 bench: setup
 	$(PY) bench/kernels.py
 
+# `vllm serve` with a real streaming client, plugin vs upstream, interleaved; TTFT/TPOT and the
+# server's own prefix-cache hit rate (docs/serve.md). About 10-15 min on 2 cores.
+bench-serve: setup
+	$(PY) bench/serve.py
+
+# Its end-to-end smoke test (two small servers, 4-6 min on 2 cores; not part of make test).
+bench-serve-smoke: setup
+	VLLM_HYBRID_SERVE_SMOKE=1 $(PY) -m pytest -q tests/backends/test_bench_serve.py
 # Regenerate docs/hooks.md and docs/patches.md from the docstrings.
 docs: setup
 	$(PY) -m vllm_hybrid_backends.docs

@@ -16,6 +16,7 @@ docstrings (``python -m vllm_hybrid_backends.docs``) and a test keeps it current
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -37,6 +38,7 @@ PATCH_MODULES = (
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_kv_cache_coordinator",
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_kv_cache_manager",
 )
+_announced: set[str] = set()  # process kinds whose patches were announced in this process
 
 
 def patch_modules(process: str | None = None) -> list[ModuleType]:
@@ -111,9 +113,12 @@ def apply_all(process: str) -> bool:
         module.apply()
         _applied.add(_short(module))
     skipped = [status for _, status in checked if status.state == NOT_NEEDED]
-    logger.info("hybrid_backends: %s patches applied on vLLM %s: %s%s", process,
-                installed_vllm_version(), ", ".join(_short(m) for m in applied) or "none",
-                "".join(f"; not needed: {s.name} ({s.reason})" for s in skipped))
+    if process not in _announced:  # once per process kind: what was patched, and what not
+        _announced.add(process)
+        logger.info("hybrid_backends: %s patches on vLLM %s (pid %d): applied %s%s", process,
+                    installed_vllm_version(), os.getpid(),
+                    ", ".join(_short(m) for m in applied) or "none",
+                    "".join(f"; not needed: {s.name} ({s.reason})" for s in skipped))
     trace_event("patches_applied", scope=process, patches=[m.__name__ for m in applied],
                 optional_skipped=[m.__name__ for m, status in checked
                                   if status.state == NOT_NEEDED])

