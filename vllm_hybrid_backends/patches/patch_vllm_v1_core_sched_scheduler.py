@@ -16,6 +16,9 @@
   forward stores tail checkpoints inside the chunk
   (``patch_vllm_v1_core_kv_cache_coordinator``), the chunk is not stopped at them. Only
   requests of models with Mamba groups in align mode are touched.
+- Stats: with ``VLLM_HYBRID_STATS=1``, ``Scheduler.make_stats`` also hands the change of
+  :mod:`vllm_hybrid_backends.stats` since its previous call to ``SchedulerStats.hybrid``
+  (field added by ``patch_vllm_v1_metrics_stats``); not wrapped otherwise.
 - Upstream: vLLM #54076 (chunk ends off the Mamba grid, open); the agentic miss is §4(a) of
   ``vllm_map.md``; junction checkpoints #37898 only help the third request.
 - vLLM versions: 0.32.x, 0.33.x (the method is unchanged but for lookahead plumbing).
@@ -27,11 +30,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .. import align
+from .. import align, stats
 from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
 
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
-TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split",)
+TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split", "Scheduler.make_stats")
 PROCESS = "engine"
 
 _ORIGINALS: dict[str, Any] = {}
@@ -46,7 +49,8 @@ def missing() -> list[str]:
         cls = _scheduler_class()
     except Exception as exc:
         return [f"import {TARGET_MODULE}: {exc}"]
-    return [] if callable(getattr(cls, "_mamba_block_aligned_split", None)) else [TARGET_SYMBOLS[0]]
+    return [f"Scheduler.{name}" for name in ("_mamba_block_aligned_split", "make_stats")
+            if not callable(getattr(cls, name, None))]
 
 
 def _mamba_block_aligned_split(self: Any, request: Any, num_new_tokens: int,
@@ -83,9 +87,19 @@ def _stores_interior(scheduler: Any) -> bool:
     return known
 
 
+def make_stats(self: Any, *args: Any, **kwargs: Any) -> Any:
+    result = _ORIGINALS["make_stats"](self, *args, **kwargs)
+    if result is not None:
+        result.hybrid = stats.take_delta()
+    return result
+
+
 def apply() -> None:
     align.refresh_policy()
     cls = _scheduler_class()
+    if stats.refresh() and cls.make_stats is not make_stats:
+        _ORIGINALS["make_stats"] = cls.make_stats
+        cls.make_stats = make_stats
     current = cls._mamba_block_aligned_split
     if current is _mamba_block_aligned_split:
         return
@@ -94,5 +108,7 @@ def apply() -> None:
 
 
 def revert() -> None:
+    if "make_stats" in _ORIGINALS:
+        _scheduler_class().make_stats = _ORIGINALS.pop("make_stats")
     if "_mamba_block_aligned_split" in _ORIGINALS:
         _scheduler_class()._mamba_block_aligned_split = _ORIGINALS.pop("_mamba_block_aligned_split")
