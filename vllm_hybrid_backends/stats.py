@@ -96,15 +96,16 @@ def record_reused(block: Any) -> None:
         COUNTERS[key("reused", kind)] += 1
 
 
-def record_evicted(block_id: int, keys: Any) -> None:
-    """A block was evicted from the pool; ``keys`` are its hashes with group id."""
+def record_evicted(block_id: int, mamba_keys: Any) -> None:
+    """A block was evicted from the pool; ``mamba_keys``: its hashes (with group id) in Mamba
+    groups."""
     entry = _kept.pop(block_id, None)
-    if entry is None:
-        return
-    COUNTERS[key("evicted", entry[0])] += 1
-    if len(_evicted_keys) >= EVICTED_MEMORY:
-        _evicted_keys.clear()
-    _evicted_keys.update(keys)
+    if entry is not None:
+        COUNTERS[key("evicted", entry[0])] += 1
+    if mamba_keys:
+        if len(_evicted_keys) >= EVICTED_MEMORY:
+            _evicted_keys.clear()
+        _evicted_keys.update(mamba_keys)
 
 
 def was_evicted(group_key: Any) -> bool:

@@ -245,8 +245,9 @@ def _count_kept_states(coordinator: Any, manager: Any, request: Any, policy: ali
                        memo: dict[Any, Any], before: int) -> None:
     """Count the Mamba states this ``cache_blocks`` call kept, by kind (``VLLM_HYBRID_STATS``)."""
     pool = coordinator.block_pool
-    if "_maybe_evict_cached_block" not in pool.__dict__:
-        _count_evictions(pool)
+    if not getattr(pool, "_hybrid_counts_evictions", False):
+        _count_evictions(pool, {coordinator.single_type_managers.index(m)
+                                for m in _mamba_managers(coordinator)})
     size = manager.block_size
     kinds = {p: kind.split("-", 1)[0] for kind, positions in _admitted_boundaries(
         request, policy, request.num_prompt_tokens, size, memo).items() for p in positions}
@@ -258,17 +259,21 @@ def _count_kept_states(coordinator: Any, manager: Any, request: Any, policy: ali
             stats.record_kept(kinds.get((index + 1) * size, "vllm"), block)
 
 
-def _count_evictions(pool: Any) -> None:
+def _count_evictions(pool: Any, mamba_groups: set[int]) -> None:
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
     original = pool._maybe_evict_cached_block
 
     def maybe_evict_cached_block(block: Any) -> bool:
         keys = [block.block_hash, *pool.cached_block_hashes_by_block.get(block.block_id, ())]
         evicted = original(block)
         if evicted:
-            stats.record_evicted(block.block_id, [k for k in keys if k is not None])
+            stats.record_evicted(block.block_id, [
+                k for k in keys if k is not None and get_group_id(k) in mamba_groups])
         return bool(evicted)
 
     pool._maybe_evict_cached_block = maybe_evict_cached_block
+    pool._hybrid_counts_evictions = True
 
 
 def find_longest_cache_hit(self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
