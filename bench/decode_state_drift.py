@@ -9,6 +9,10 @@ length N, through the model's own forward (transformers' reference kernels on CP
 - ``decode``: the prompt, then the N tokens one decode step at a time (what the plugin keeps
   as a decode-end state with ``VLLM_HYBRID_DECODE_CHECKPOINTS=1``).
 
+After every forward call the recurrent state is rounded to ``--state-dtypes`` (the dtype a
+serving engine's cache stores it in, e.g. bf16 for vLLM-CPU's GDN state on most hosts): a
+decode-end state went through N roundings, a prefill state through one per chunk.
+
 Reported per path: the relative L2 distance of the recurrent states (all linear-attention /
 Mamba layers together) to the reference, and the largest next-token logprob deviation over a
 16-token teacher-forced continuation resumed from that cache, against the reference (the
@@ -33,16 +37,28 @@ CONTINUATION = 16
 def _states(cache: Any) -> Any:
     import torch
 
-    parts = [layer.recurrent_states.float().flatten() for layer in cache.layers
-             if getattr(layer, "recurrent_states", None) is not None]
+    parts = [state.float().flatten() for layer in cache.layers
+             for state in (getattr(layer, "recurrent_states", None) or {}).values()]
     return torch.cat(parts)
 
 
+#: dtype the recurrent state is stored in between forward calls (None: as the model keeps it)
+_state_dtype: Any = None
+
+
 def _forward(model: Any, ids: Any, cache: Any = None) -> Any:
+    """One forward call; the state is rounded to the storage dtype after it, as a serving
+    engine stores it in its cache after every step (prefill chunk or decode token)."""
     import torch
 
     with torch.no_grad():
-        return model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, past_key_values=cache, use_cache=True)
+    if _state_dtype is not None:
+        for layer in out.past_key_values.layers:
+            states = getattr(layer, "recurrent_states", None) or {}
+            for key, state in states.items():
+                states[key] = state.to(_state_dtype).to(state.dtype)
+    return out
 
 
 def _continue(model: Any, cache: Any, tokens: Any) -> Any:
@@ -52,10 +68,13 @@ def _continue(model: Any, cache: Any, tokens: Any) -> Any:
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
-def measure(name: str, dtype: str, lengths: tuple[int, ...], prompt_len: int,
+def measure(name: str, dtype: str, state_dtype: str, lengths: tuple[int, ...], prompt_len: int,
             seed: int) -> list[dict[str, Any]]:
     import torch
     import transformers
+
+    global _state_dtype
+    _state_dtype = getattr(torch, state_dtype)
 
     from vllm_hybrid_backends.testing.model_zoo import VOCAB_SIZE, ZOO, build_model
 
@@ -83,11 +102,8 @@ def measure(name: str, dtype: str, lengths: tuple[int, ...], prompt_len: int,
         chunked = _forward(model, answer, _forward(model, prompt).past_key_values).past_key_values
         ref_state = _states(reference)
         ref_lp = _continue(model, reference, follow)
-        row: dict[str, Any] = {"model": name, "dtype": dtype, "decode_steps": n,
-                               "state_dtype": str(reference.layers[0].recurrent_states.dtype
-                                                  if getattr(reference.layers[0],
-                                                             "recurrent_states", None)
-                                                  is not None else "")}
+        row: dict[str, Any] = {"model": name, "dtype": dtype, "state_dtype": state_dtype,
+                               "decode_steps": n}
         for path, cache_n in (("chunked", chunked), ("decode", step_caches[n])):
             state = _states(cache_n)
             lp = _continue(model, cache_n, follow)
@@ -105,7 +121,10 @@ def measure(name: str, dtype: str, lengths: tuple[int, ...], prompt_len: int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=DTYPES,
+                        help="model (weights and activations) dtype")
+    parser.add_argument("--state-dtypes", nargs="+", default=list(DTYPES), choices=DTYPES,
+                        help="dtype the recurrent state is stored in between steps")
     parser.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS))
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
@@ -116,10 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.models:
         for dtype in args.dtypes:
-            start = time.monotonic()
-            rows += measure(name, dtype, tuple(sorted(set(args.lengths))), args.prompt_len,
-                            args.seed)
-            print(f"{name} {dtype}: {time.monotonic() - start:.0f} s", file=sys.stderr)
+            for state_dtype in args.state_dtypes:
+                start = time.monotonic()
+                rows += measure(name, dtype, state_dtype, tuple(sorted(set(args.lengths))),
+                                args.prompt_len, args.seed)
+                print(f"{name} {dtype} state {state_dtype}: {time.monotonic() - start:.0f} s",
+                      file=sys.stderr)
     if args.json:
         print(json.dumps({"continuation": CONTINUATION, "prompt_len": args.prompt_len,
                           "rows": rows}, indent=1))
