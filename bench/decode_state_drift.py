@@ -115,6 +115,7 @@ def measure(name: str, dtype: str, state_dtype: str, lengths: tuple[int, ...], p
         row["decode_over_chunked"] = (row["decode_state_rel_l2"] / row["chunked_state_rel_l2"]
                                       if row["chunked_state_rel_l2"] else float("inf"))
         rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)  # partial results survive a kill
     return rows
 
 
