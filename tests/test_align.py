@@ -414,3 +414,15 @@ def test_interior_states_setting_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv(align.INTERIOR_STATES_ENV, "maybe")
     with pytest.raises(ValueError, match="VLLM_HYBRID_INTERIOR_STATES='maybe'"):
         align.current_policy()
+
+
+def test_decode_states_past_the_step_limit_are_not_kept(monkeypatch):
+    near = align.AlignPolicy(tail_checkpoints=0, decode_max_steps=64)
+    # boundary 1536 is 36 decode steps past a 1500-token prompt; 1664 is 164 steps past it
+    assert align.retained_boundaries_by_kind(1500, 1537, 128, near) == {"decode": (1536,)}
+    assert align.retained_boundaries_by_kind(1500, 1665, 128, near) == {}
+    monkeypatch.setenv(align.DECODE_MAX_STEPS_ENV, "64")
+    assert align.current_policy().decode_max_steps == 64
+    monkeypatch.setenv(align.DECODE_MAX_STEPS_ENV, "-3")
+    with pytest.raises(ValueError, match=r"DECODE_CHECKPOINT_MAX_STEPS='-3'.*>= 0"):
+        align.current_policy()

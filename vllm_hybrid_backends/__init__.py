@@ -20,7 +20,7 @@ def register() -> None:
 
     On a supported vLLM it applies the engine-side patches and wraps the platform's worker-side
     kernel-override hook (see :mod:`.patches.patch_vllm_platforms`), where the worker patches
-    go in; on vLLM 0.30/0.31, which lack that hook, it applies the worker patches itself.
+    go in; on vLLM 0.30, which lacks that hook, it applies the worker patches itself.
     On any other version it warns once and patches nothing.
     """
     global _registered, _unsupported_warned
@@ -45,7 +45,7 @@ def register() -> None:
 
     applied = patches.apply_all("engine")
     if applied and not patch_vllm_platforms.has_worker_seam():
-        # vLLM 0.30/0.31: no worker-only hook; register() runs in every worker before the
+        # vLLM 0.30: no worker-only hook; register() runs in every worker before the
         # model is built, so the worker patches go in here (harmless where no model runs).
         if patches.apply_all("worker"):
             from . import plugins

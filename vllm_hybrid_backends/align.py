@@ -15,6 +15,10 @@ per-request paths then read no environment variable):
 - ``VLLM_HYBRID_DECODE_CHECKPOINTS`` (default 1): keep the Mamba state at every block boundary
   crossed while decoding, so the next turn of a conversation (prompt + output + new message)
   hits past the output (vLLM #50551).
+- ``VLLM_HYBRID_DECODE_CHECKPOINT_MAX_STEPS`` (default 0 = no limit): keep a decode state only
+  when at most this many decode steps produced it since the prompt's end. A state carried
+  through decode steps drifts from the state a prefill computes over the same tokens when the
+  cache stores it in bf16 (one rounding per step; ``docs/decode_states.md``).
 - ``VLLM_HYBRID_SUFFIX_EVICTION`` (default 1): free a finished request's blocks so the cache
   forgets its prefix from the end, all groups together (attention blocks past a Mamba state
   cannot be hit without it, and a state cannot be hit without the attention blocks before it).
@@ -49,6 +53,7 @@ MAMBA_GRID_ENV = "VLLM_HYBRID_MAMBA_GRID"
 SUFFIX_EVICTION_ENV = "VLLM_HYBRID_SUFFIX_EVICTION"
 ADAPTIVE_RETENTION_ENV = "VLLM_HYBRID_ADAPTIVE_RETENTION"
 INTERIOR_STATES_ENV = "VLLM_HYBRID_INTERIOR_STATES"
+DECODE_MAX_STEPS_ENV = "VLLM_HYBRID_DECODE_CHECKPOINT_MAX_STEPS"
 DEFAULT_TAIL_CHECKPOINTS = 4
 #: Kinds of extra state: ``tail-<blocks before the last prompt boundary>`` and decode.
 TAIL, DECODE = "tail", "decode"
@@ -67,6 +72,8 @@ class AlignPolicy:
     #: a tail state at every block up to the reach (set by :func:`policy_for_model` where
     #: the forward stores them inside the chunk), else at doubling distances
     dense_tails: bool = False
+    #: keep a decode state only within this many decode steps of the prompt's end (0: any)
+    decode_max_steps: int = 0
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -93,7 +100,16 @@ def current_policy() -> AlignPolicy:
             tail = -1
         if not 0 <= tail <= 64:
             raise ValueError(f"{TAIL_CHECKPOINTS_ENV}={raw!r}: allowed values are integers 0..64")
+    raw_steps = os.environ.get(DECODE_MAX_STEPS_ENV, "").strip() or "0"
+    try:
+        max_steps = int(raw_steps)
+    except ValueError:
+        max_steps = -1
+    if max_steps < 0:
+        raise ValueError(f"{DECODE_MAX_STEPS_ENV}={raw_steps!r}: allowed values are integers "
+                         ">= 0 (0 = no limit)")
     return AlignPolicy(
+        decode_max_steps=max_steps,
         tail_checkpoints=tail,
         decode_checkpoints=_flag(DECODE_CHECKPOINTS_ENV, True),
         mamba_grid=_flag(MAMBA_GRID_ENV, True),
@@ -182,7 +198,9 @@ def retained_boundaries_by_kind(
              tail_checkpoints_by_kind(num_prompt_tokens, block_size, policy.tail_checkpoints,
                                       policy.dense_tails).items()}
     decoded = decode_boundary(num_prompt_tokens, num_tokens, block_size)
-    if policy.decode_checkpoints and decoded is not None:
+    if (policy.decode_checkpoints and decoded is not None
+            and (not policy.decode_max_steps
+                 or decoded - num_prompt_tokens <= policy.decode_max_steps)):
         kinds[DECODE] = (decoded,)
     return kinds
 

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     doctor = commands.add_parser("doctor", help="show vLLM, the platform and the backends")
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
     argv = sys.argv[1:] if argv is None else argv
-    if "replay" in argv:
+    if "replay" in argv or "--json" in argv:
         # vLLM logs to stdout by default and configures its logger when first imported (which
         # the replay parser's imports may do): keep stdout for the report.
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

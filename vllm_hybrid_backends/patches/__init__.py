@@ -37,6 +37,8 @@ PATCH_MODULES = (
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_sched_scheduler",
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_kv_cache_coordinator",
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_kv_cache_manager",
+    "vllm_hybrid_backends.patches.patch_vllm_v1_metrics_stats",
+    "vllm_hybrid_backends.patches.patch_vllm_v1_metrics_loggers",
 )
 _announced: set[str] = set()  # process kinds whose patches were announced in this process
 

@@ -12,8 +12,8 @@
   shared name; the platform's implementation stays inside as the wrapped original) and applies
   the worker-side patch modules. Runs once per process.
 - Upstream: no issue; this is the documented seam (``vllm/triton_utils/dispatcher.py``).
-- vLLM versions: 0.32.x, 0.33.x (identical hook and dispatcher in both). Not needed on 0.30/0.31,
-  which have neither: there :func:`vllm_hybrid_backends.register` applies the worker patches
+- vLLM versions: 0.32.x, 0.33.x (identical hook and dispatcher in both). Not needed on 0.30,
+  which has neither: there :func:`vllm_hybrid_backends.register` applies the worker patches
   itself (vLLM calls it in every worker, ``WorkerWrapperBase.init_worker`` ->
   ``load_general_plugins``, before the model is built) and backends' kernel overrides are
   unavailable (doctor says so).
@@ -56,7 +56,7 @@ def not_needed() -> str | None:
     if has_worker_seam():
         return None
     return ("this vLLM has no Platform.register_triton_kernel_overrides / "
-            "vllm.triton_utils.dispatcher (added in 0.32): register() applies the worker "
+            "vllm.triton_utils.dispatcher (added in 0.31): register() applies the worker "
             "patches in every process; backend kernel overrides are unavailable")
 
 

@@ -46,6 +46,10 @@ finished request's cached prefix from its end, all groups together.
   interior blocks when the pool cannot give them. Requests with a partial-block hit,
   speculative blocks or an internal prefill checkpoint keep vLLM's allocation (the scheduler
   then splits, as before).
+- Stats (``VLLM_HYBRID_STATS=1``, :mod:`vllm_hybrid_backends.stats`): ``cache_blocks`` counts
+  the states it kept by kind, ``find_longest_cache_hit`` the hits ending on one and the missed
+  tokens by reason, and the block pool's ``_maybe_evict_cached_block`` (wrapped on the
+  instance) the kept states evicted.
 - Upstream: vLLM #50551 (decode-end states for conversation reuse, open); retention semantics in
   ``vllm_map.md`` §4(d) (interior states: option A there).
 - vLLM versions: 0.30.x-0.33.x. 0.30/0.31: the replay boundaries are a coordinator method,
@@ -61,7 +65,7 @@ import importlib
 import inspect
 from typing import Any
 
-from .. import align
+from .. import align, stats
 from ..compat import signature_problem
 from . import patch_vllm_v1_core_kv_cache_manager as manager_patch
 
@@ -296,6 +300,7 @@ def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: i
         align.active_policy(), internal_prefill_checkpoints=_internal_prefill_checkpoints(self),
         interior_states=bool(_interior_managers(self)))
     memo: dict[Any, Any] = {}
+    before = managers[0].num_cached_block.get(request.request_id, 0) if stats.enabled else 0
     token = _caching_for.set((request, policy, memo))
     try:
         original(self, request, num_computed_tokens)
@@ -303,6 +308,43 @@ def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: i
         _caching_for.reset(token)
     if policy.adaptive_retention:
         _record_kept_states(self, request, policy, memo)
+    if stats.enabled:
+        _count_kept_states(self, managers[0], request, policy, memo, before)
+
+
+def _count_kept_states(coordinator: Any, manager: Any, request: Any, policy: align.AlignPolicy,
+                       memo: dict[Any, Any], before: int) -> None:
+    """Count the Mamba states this ``cache_blocks`` call kept, by kind (``VLLM_HYBRID_STATS``)."""
+    pool = coordinator.block_pool
+    if not getattr(pool, "_hybrid_counts_evictions", False):
+        _count_evictions(pool, {coordinator.single_type_managers.index(m)
+                                for m in _mamba_managers(coordinator)})
+    size = manager.block_size
+    kinds = {p: kind.split("-", 1)[0] for kind, positions in _admitted_boundaries(
+        request, policy, request.num_prompt_tokens, size, memo).items() for p in positions}
+    blocks = manager.req_to_blocks.get(request.request_id, ())
+    for index in range(before, min(manager.num_cached_block.get(request.request_id, 0),
+                                   len(blocks))):
+        block = blocks[index]
+        if not block.is_null and block.block_hash is not None:
+            stats.record_kept(kinds.get((index + 1) * size, "vllm"), block)
+
+
+def _count_evictions(pool: Any, mamba_groups: set[int]) -> None:
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    original = pool._maybe_evict_cached_block
+
+    def maybe_evict_cached_block(block: Any) -> bool:
+        keys = [block.block_hash, *pool.cached_block_hashes_by_block.get(block.block_id, ())]
+        evicted = original(block)
+        if evicted:
+            stats.record_evicted(block.block_id, [
+                k for k in keys if k is not None and get_group_id(k) in mamba_groups])
+        return bool(evicted)
+
+    pool._maybe_evict_cached_block = maybe_evict_cached_block
+    pool._hybrid_counts_evictions = True
 
 
 def find_longest_cache_hit(self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
@@ -313,6 +355,11 @@ def find_longest_cache_hit(self: Any, block_hashes: Any, max_cache_hit_length: i
         hit = result[0][self.single_type_managers.index(managers[0])]
         if hit and not hit[-1].is_null and hit[-1].block_hash is not None:
             LEDGER.record_hit(hit[-1].block_id, hit[-1].block_hash)
+            if stats.enabled:
+                stats.record_reused(hit[-1])
+    if stats.enabled and managers:
+        stats.record_misses(stats.classify_misses(self, managers, block_hashes, result[1],
+                                                  max_cache_hit_length))
     return result
 
 
@@ -502,6 +549,7 @@ for _wrapper in _WRAPPERS:
 def apply() -> None:
     global LEDGER, _TAKES_PREFILL_END
     align.refresh_policy()
+    stats.refresh()
     module = _module()
     if module.HybridKVCacheCoordinator.find_longest_cache_hit is not find_longest_cache_hit:
         LEDGER = align.RetentionLedger()

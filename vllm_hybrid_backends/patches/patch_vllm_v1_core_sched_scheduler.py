@@ -16,6 +16,9 @@
   forward stores tail checkpoints inside the chunk
   (``patch_vllm_v1_core_kv_cache_coordinator``), the chunk is not stopped at them. Only
   requests of models with Mamba groups in align mode are touched.
+- Stats: with ``VLLM_HYBRID_STATS=1``, ``Scheduler.make_stats`` also hands the change of
+  :mod:`vllm_hybrid_backends.stats` since its previous call to ``SchedulerStats.hybrid``
+  (field added by ``patch_vllm_v1_metrics_stats``); not wrapped otherwise.
 - Upstream: vLLM #54076 (chunk ends off the Mamba grid, open); the agentic miss is §4(a) of
   ``vllm_map.md``; junction checkpoints #37898 only help the third request.
 - vLLM versions: 0.30.x-0.33.x (the method's signature is checked when it binds).
@@ -27,12 +30,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .. import align
+from .. import align, stats
 from ..compat import signature_problem
 from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
 
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
-TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split",)
+TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split", "Scheduler.make_stats")
 PROCESS = "engine"
 VLLM_VERSIONS = ">=0.30.0,<0.34.0"
 
@@ -48,9 +51,11 @@ def missing() -> list[str]:
         cls = _scheduler_class()
     except Exception as exc:
         return [f"import {TARGET_MODULE}: {exc}"]
-    split = getattr(cls, "_mamba_block_aligned_split", None)
-    if not callable(split):
-        return [TARGET_SYMBOLS[0]]
+    lacking = [f"Scheduler.{name}" for name in ("_mamba_block_aligned_split", "make_stats")
+               if not callable(getattr(cls, name, None))]
+    if lacking:
+        return lacking
+    split = _ORIGINALS.get("_mamba_block_aligned_split", cls._mamba_block_aligned_split)
     problem = signature_problem(split, TARGET_SYMBOLS[0], (
         "self", "request", "num_new_tokens", "num_new_local_computed_tokens",
         "num_external_computed_tokens"))
@@ -91,9 +96,19 @@ def _stores_interior(scheduler: Any) -> bool:
     return known
 
 
+def make_stats(self: Any, *args: Any, **kwargs: Any) -> Any:
+    result = _ORIGINALS["make_stats"](self, *args, **kwargs)
+    if result is not None:
+        result.hybrid = stats.take_delta()
+    return result
+
+
 def apply() -> None:
     align.refresh_policy()
     cls = _scheduler_class()
+    if stats.refresh() and cls.make_stats is not make_stats:
+        _ORIGINALS["make_stats"] = cls.make_stats
+        cls.make_stats = make_stats
     current = cls._mamba_block_aligned_split
     if current is _mamba_block_aligned_split:
         return
@@ -102,5 +117,7 @@ def apply() -> None:
 
 
 def revert() -> None:
+    if "make_stats" in _ORIGINALS:
+        _scheduler_class().make_stats = _ORIGINALS.pop("make_stats")
     if "_mamba_block_aligned_split" in _ORIGINALS:
         _scheduler_class()._mamba_block_aligned_split = _ORIGINALS.pop("_mamba_block_aligned_split")

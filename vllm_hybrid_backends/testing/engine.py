@@ -77,6 +77,9 @@ class EngineRun:
     #: Seconds the whole subprocess took, as seen by the caller.
     wall_s: float
     log: str = field(repr=False, default="")
+    #: The front-end's Prometheus text (what ``/metrics`` serves) after the last request,
+    #: when asked for with ``metrics=True``.
+    metrics_text: str = field(repr=False, default="")
 
 
 class EngineError(RuntimeError):
@@ -121,6 +124,7 @@ def run_engine(
     env: Mapping[str, str] | None = None,
     single_process: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    metrics: bool = False,
 ) -> EngineRun:
     """Start a fresh engine process, run ``prompts`` one after another, return the results.
 
@@ -130,6 +134,8 @@ def run_engine(
     (``max_model_len``, ``kv_cache_memory_bytes``, ``block_size``...); they must be
     JSON-serialisable.  ``env`` adds to (or overrides) the inherited environment.
     ``single_process`` runs EngineCore and worker inside the one process (see the module doc).
+    ``metrics`` turns vLLM's stats on (``disable_log_stats=False``) and returns the Prometheus
+    text rendered after the last request, with one more stats log after it.
     Raises :class:`EngineError` when the process fails or times out.
     """
     spec = {
@@ -138,8 +144,11 @@ def run_engine(
         "dtype": dtype,
         "enable_prefix_caching": bool(enable_prefix_caching),
         "max_tokens": int(max_tokens),
+        "metrics": bool(metrics),
     }
     llm_kwargs = dict(extra_llm_kwargs or {})
+    if metrics:
+        llm_kwargs.setdefault("disable_log_stats", False)
     child_env = dict(os.environ)
     child_env["VLLM_PLUGINS"] = plugins or ""
     if single_process:
@@ -189,6 +198,7 @@ def run_engine(
         init_s=result["init_s"],
         wall_s=wall,
         log=log,
+        metrics_text=result.get("metrics_text", ""),
     )
 
 
@@ -258,9 +268,15 @@ def _child_main(spec_path: str) -> None:
                 wall_s=round(time.monotonic() - t, 4),
             )
         )
-    Path(spec["output"]).write_text(
-        json.dumps({"init_s": round(init_s, 3), "requests": [asdict(r) for r in results]})
-    )
+    metrics_text = ""
+    if spec.get("metrics"):
+        from prometheus_client import REGISTRY, generate_latest
+
+        llm.llm_engine.do_log_stats()
+        metrics_text = generate_latest(REGISTRY).decode()
+    Path(spec["output"]).write_text(json.dumps({
+        "init_s": round(init_s, 3), "requests": [asdict(r) for r in results],
+        "metrics_text": metrics_text}))
     # Shut the engine down explicitly, so its processes are gone before we exit.
     del llm
 

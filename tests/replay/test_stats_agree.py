@@ -1,0 +1,70 @@
+"""The plugin's online counters (VLLM_HYBRID_STATS) agree with the replay's lookup-time miss
+attribution: equal where both see the same attention reach (nothing evicted), the same reasons
+and no more tokens where the hybrid pool evicted attention blocks too."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_hybrid_backends import stats
+from vllm_hybrid_backends.replay.harness import ReplayConfig, run_replay
+from vllm_hybrid_backends.replay.policy import get_policy
+from vllm_hybrid_backends.replay.shapes import tiny_shape
+from vllm_hybrid_backends.replay.workloads import Trace, TraceRequest
+
+pytestmark = pytest.mark.slow
+
+
+def _config(**overrides):
+    base = dict(shape=tiny_shape(), platform="any", block_size=8, cache_tokens=4096,
+                max_num_batched_tokens=16, max_num_seqs=4)
+    base.update(overrides)
+    return ReplayConfig(**base)
+
+
+def _evicting_trace() -> Trace:
+    # "a" keeps states; unrelated prompts push some of them out; "b" resends a's prompt,
+    # "c" continues a's conversation past its answer
+    a_prompt = list(range(1000, 1041))
+    fillers = [TraceRequest(f"f{i}", list(range(2000 + 100 * i, 2041 + 100 * i)), [7] * 2,
+                            arrival_s=1.0 + i) for i in range(3)]
+    return Trace("evict", [TraceRequest("a", a_prompt, [5] * 20), *fillers,
+                           TraceRequest("b", a_prompt + [9] * 8, [5] * 2, arrival_s=20.0),
+                           TraceRequest("c", a_prompt + [5] * 20 + [3] * 9, [5] * 2,
+                                        arrival_s=30.0)])
+
+
+@pytest.mark.parametrize("cache_tokens", [pytest.param(8 * 28, id="evicting"),
+                                          pytest.param(4096, id="roomy")])
+def test_online_miss_counters_match_the_replay_attribution(monkeypatch, cache_tokens):
+    monkeypatch.setenv(stats.STATS_ENV, "1")
+    trace = _evicting_trace()
+    config = _config(cache_tokens=cache_tokens, max_num_batched_tokens=64)
+    policy = get_policy("plugin")
+    bound = run_replay(trace, config, policy, attention_only=True)
+    stats.reset()
+    hybrid = run_replay(trace, config, policy,
+                        bound_hits={k: r.hit_tokens for k, r in bound.requests.items()})
+    assert hybrid.mismatches == []
+    replay_reasons: dict[str, int] = {}
+    for record in hybrid.requests.values():
+        for reason, tokens in record.miss_chunks.items():
+            replay_reasons[reason] = replay_reasons.get(reason, 0) + tokens
+    online = {k.split(":", 1)[1]: v for k, v in stats.COUNTERS.items()
+              if k.startswith("missed_tokens:") and v}
+    if cache_tokens < 4096:
+        # The replay bounds each lookup by the attention-only run's hit, the plugin by the
+        # attention blocks still cached: where those were evicted too, only the replay counts.
+        assert online and all(0 < v <= replay_reasons.get(k, 0) for k, v in online.items())
+        assert sum(online.values()) < sum(replay_reasons.values())
+    else:
+        assert online == replay_reasons
+    kept = sum(v for k, v in stats.COUNTERS.items() if k.startswith("kept:"))
+    reused = sum(v for k, v in stats.COUNTERS.items() if k.startswith("reused:"))
+    assert kept > 0
+    hits = sum(1 for r in hybrid.requests.values() if r.hit_tokens)
+    assert 0 < reused <= hits
+    if cache_tokens < 4096:
+        assert sum(v for k, v in stats.COUNTERS.items() if k.startswith("evicted:")) > 0
+    else:
+        assert not any(k.startswith("evicted:") for k in stats.COUNTERS)

@@ -1,0 +1,60 @@
+"""VLLM_HYBRID_STATS: off by default (nothing wrapped), a bad value names itself, and the
+counters cross vLLM's engine-core -> front-end msgpack channel inside SchedulerStats."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_hybrid_backends import stats
+from vllm_hybrid_backends.patches import (
+    patch_vllm_v1_core_sched_scheduler as scheduler_patch,
+)
+from vllm_hybrid_backends.patches import patch_vllm_v1_metrics_loggers as loggers_patch
+from vllm_hybrid_backends.patches import patch_vllm_v1_metrics_stats as stats_patch
+
+
+def test_bad_value_names_it_and_the_allowed_ones(monkeypatch):
+    monkeypatch.setenv(stats.STATS_ENV, "maybe")
+    with pytest.raises(ValueError, match=r"VLLM_HYBRID_STATS='maybe'.*1/0"):
+        stats.refresh()
+
+
+def test_off_by_default_wraps_nothing(monkeypatch):
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    monkeypatch.delenv(stats.STATS_ENV, raising=False)
+    make_stats, record = Scheduler.make_stats, PrometheusStatLogger.record
+    try:
+        for module in (stats_patch, loggers_patch, scheduler_patch):
+            module.apply()
+        assert not stats.enabled
+        assert Scheduler.make_stats is make_stats and PrometheusStatLogger.record is record
+        assert "hybrid" not in SchedulerStats.__dataclass_fields__
+    finally:
+        for module in (scheduler_patch, loggers_patch, stats_patch):
+            module.revert()
+
+
+def test_counters_cross_the_msgpack_channel(monkeypatch):
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    monkeypatch.setenv(stats.STATS_ENV, "1")
+    try:
+        stats_patch.apply()
+        stats.COUNTERS[stats.key("kept", "decode")] += 3
+        sent = SchedulerStats()
+        sent.hybrid = stats.take_delta()  # type: ignore[attr-defined]
+        assert stats.take_delta() is None  # nothing new since
+        wire = MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=sent))
+        got = MsgpackDecoder(EngineCoreOutputs).decode(wire).scheduler_stats
+        assert got.hybrid == {"kept:decode": 3}
+        stats.COUNTERS[stats.key("kept", "decode")] += 2
+        assert stats.take_delta() == {"kept:decode": 2}
+    finally:
+        stats_patch.revert()
+        stats.reset()
+    assert "hybrid" not in SchedulerStats.__dataclass_fields__
