@@ -152,7 +152,10 @@ def _generator(request) -> torch.Generator:
 
 
 def _tables(gen, model, rows, cols):
-    return [torch.randint(0, model.num_blocks, (rows, cols), generator=gen) for _ in (0, 1)]
+    # each request owns its blocks (hookspecs: no request reads a block another one writes)
+    if model.num_blocks < rows * cols:  # too few blocks to own: ids shared between requests
+        return [torch.randint(0, model.num_blocks, (rows, cols), generator=gen) for _ in (0, 1)]
+    return [torch.randperm(model.num_blocks, generator=gen)[: rows * cols].view(rows, cols) for _ in (0, 1)]
 
 
 # ---- parity: every hook, both paths --------------------------------------------------------------
@@ -181,7 +184,7 @@ def test_copy_state_blocks_matches_reference(request, path, dtype, pattern):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_precopy_matches_reference(request, path, dtype):
     gen = _generator(request)
-    model = Model(gen, dtype)
+    model = Model(gen, dtype, num_blocks=96)
     rows = 9
     tables = _tables(gen, model, rows, 6)  # random ids: requests share and collide in blocks
     src_cols = torch.randint(-1, 4, (rows,), generator=gen)
@@ -199,7 +202,7 @@ def test_precopy_matches_reference(request, path, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_postprocess_matches_reference(request, path, dtype):
     gen = _generator(request)
-    model = Model(gen, dtype)
+    model = Model(gen, dtype, num_blocks=96)
     rows, block_size = 10, 4
     tables = _tables(gen, model, rows, 8)
     running_tokens = torch.randint(1, 17, (rows,), generator=gen)
