@@ -75,8 +75,7 @@ def apply_row_moves(states: Sequence[MambaStateTensor], moves: RowMoves) -> None
     staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for state in states:
         tensor = state.tensor
-        src = (moves.conv_src if state.kind.is_conv else moves.temporal_src)[state.group]
-        dst, shift = moves.dst[state.group], moves.shift
+        (src, dst), shift = moves.of(state), moves.shift
         if dst.device.type == "cpu":
             rows = (dst >= 0).nonzero().squeeze(1)
             src, dst, shift = src[rows], dst[rows], shift[rows]

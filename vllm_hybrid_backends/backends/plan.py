@@ -4,7 +4,7 @@ Computed with tensor ops on the index tensors' own device: no value is read back
 so on a GPU or NPU the plan is queued like any kernel and a backend only implements the *move*
 (see :func:`vllm_hybrid_backends.reference.apply_row_moves` and the Triton kernels).
 
-Rows that move nothing keep ``dst = -1``; movers skip them.
+Rows that move nothing get destination ``-1``; movers skip them.
 """
 
 from __future__ import annotations
@@ -14,17 +14,27 @@ from dataclasses import dataclass
 
 import torch
 
+from ..types import CheckpointBatch, MambaStateTensor
+
 
 @dataclass(frozen=True)
 class RowMoves:
-    """One move per request row and Mamba group: ``dst[g, r] <- conv_src[g, r]`` for conv states
-    (window shifted left by ``shift[r]`` tokens), ``dst[g, r] <- temporal_src[g, r]`` for temporal
-    states. Block ids are int64 on the block tables' device; ``dst`` is ``-1`` for no move."""
+    """One move per request row and Mamba group: ``conv_dst[g, r] <- conv_src[g, r]`` for conv
+    states (window shifted left by ``shift[r]`` tokens), ``temporal_dst[g, r] <-
+    temporal_src[g, r]`` for temporal states. Block ids are int64 on the block tables' device;
+    a destination of ``-1`` means no move."""
 
     conv_src: torch.Tensor  # [groups, rows]
+    conv_dst: torch.Tensor  # [groups, rows]
     temporal_src: torch.Tensor  # [groups, rows]
-    dst: torch.Tensor  # [groups, rows]
+    temporal_dst: torch.Tensor  # [groups, rows]
     shift: torch.Tensor  # [rows]
+
+    def of(self, state: MambaStateTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sources, destinations) of ``state``'s group and kind."""
+        if state.kind.is_conv:
+            return self.conv_src[state.group], self.conv_dst[state.group]
+        return self.temporal_src[state.group], self.temporal_dst[state.group]
 
 
 def _lookup(table: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -38,14 +48,15 @@ def _lookup(table: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
 
 def _row_moves(block_tables: Sequence[torch.Tensor], active: torch.Tensor, src_cols: torch.Tensor,
                dst_cols: torch.Tensor, shift: torch.Tensor) -> RowMoves:
-    conv, temporal, dst = [], [], []
+    moves: list[list[torch.Tensor]] = [[], [], [], []]
     for table in block_tables:
-        c, t, d = _lookup(table, src_cols), _lookup(table, src_cols + shift), _lookup(table, dst_cols)
-        moves = active & (c >= 0) & (t >= 0) & (d >= 0)
-        conv.append(c)
-        temporal.append(t)
-        dst.append(torch.where(moves, d, -1))
-    return RowMoves(torch.stack(conv), torch.stack(temporal), torch.stack(dst), shift)
+        conv, temporal, dst = (_lookup(table, src_cols), _lookup(table, src_cols + shift),
+                               _lookup(table, dst_cols))
+        moving = active & (dst >= 0)
+        for at, value in enumerate((conv, torch.where(moving & (conv >= 0), dst, -1),
+                                    temporal, torch.where(moving & (temporal >= 0), dst, -1))):
+            moves[at].append(value)
+    return RowMoves(*(torch.stack(m) for m in moves), shift)
 
 
 def _on(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -94,3 +105,80 @@ def skipped_row_inputs(valid: torch.Tensor, running_tokens: torch.Tensor, accept
         raise ValueError(f"Mamba block_size {block_size} < 2 cannot mark skipped rows")
     return (torch.where(valid, running_tokens, 2 * block_size - 1),
             torch.where(valid, accepted, torch.ones_like(accepted)))
+
+
+# ---- checks of plans made from host tensors (the facades run them; device plans are trusted) ----
+
+
+def on_host(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def check_row_moves(states: Sequence[MambaStateTensor], moves: RowMoves, what: str) -> None:
+    """Reject, with one clear error, a host-made plan that a mover could not do exactly: a conv
+    bias outside the window, a block written twice, a request reading a block another request
+    writes (each request owns its running blocks), a block id outside a state tensor."""
+    shifts = moves.shift.tolist()
+    done: set[tuple[int, bool, int, int]] = set()
+    for state in states:
+        conv, group = state.kind.is_conv, state.group
+        key = (group, conv, state.state_len if conv else 0, state.tensor.shape[0])
+        if key in done:
+            continue
+        done.add(key)
+        src, dst = (ids.tolist() for ids in moves.of(state))
+        rows = [r for r, d in enumerate(dst) if d >= 0]
+        writer: dict[int, int] = {}
+        for r in rows:
+            if conv and shifts[r] >= state.state_len:
+                raise ValueError(
+                    f"token bias {shifts[r]} of request row {r} is outside [0, {state.state_len}) "
+                    f"(conv state_len of layer {state.layer or '?'})"
+                )
+            for name, block in (("source", src[r]), ("destination", dst[r])):
+                if block >= state.tensor.shape[0]:
+                    raise IndexError(f"{what}: request row {r} names {name} block {block} of state "
+                                     f"{state.layer or '?'}; allowed 0..{state.tensor.shape[0] - 1}")
+            if dst[r] in writer:
+                raise ValueError(f"{what}: request rows {writer[dst[r]]} and {r} both write block "
+                                 f"{dst[r]} of group {group}; a destination may be written once")
+            writer[dst[r]] = r
+        for r in rows:
+            other = writer.get(src[r], r)
+            if other != r:
+                raise ValueError(f"{what}: request row {r} reads block {src[r]} of group {group}, "
+                                 f"which request row {other} writes; each request must own its "
+                                 "running blocks")
+
+
+def check_checkpoints(states: Sequence[MambaStateTensor], sources: Sequence[torch.Tensor],
+                      checkpoints: CheckpointBatch) -> None:
+    """Reject host checkpoint batches a store could not do exactly (see hb_store_checkpoints)."""
+    dst = checkpoints.dst_block.tolist()
+    initial = checkpoints.initial_block.tolist()
+    token_end, seq_start = checkpoints.token_end.tolist(), checkpoints.seq_start.tolist()
+    temporal_rows = checkpoints.temporal_row.tolist()
+    if len(set(dst)) != len(dst):
+        block = next(b for b in dst if dst.count(b) > 1)
+        raise ValueError(f"checkpoint dst_block: block {block} is written twice; a destination "
+                         "may be written once per call")
+    for k, block in enumerate(initial):
+        if block in dst:
+            raise ValueError(f"checkpoint {k} starts from block {block}, which this call also "
+                             "writes; initial and destination blocks must differ")
+    for state, source in zip(states, sources):
+        count = state.tensor.shape[0]
+        for name, ids in (("dst_block", dst), ("initial_block", [i for i in initial if i >= 0])):
+            bad = [b for b in ids if not 0 <= b < count]
+            if bad:
+                raise IndexError(f"checkpoint {name} names block {bad[0]} of state "
+                                 f"{state.layer or '?'}; allowed 0..{count - 1}")
+        rows = source.shape[0]
+        for k, (end, start, row) in enumerate(zip(token_end, seq_start, temporal_rows)):
+            if state.kind.is_conv and not 0 <= start <= end <= rows:
+                raise ValueError(f"checkpoint {k}: need 0 <= seq_start <= token_end <= {rows} (rows "
+                                 f"of the conv input of {state.layer or '?'}), got seq_start={start}, "
+                                 f"token_end={end}")
+            if not state.kind.is_conv and not 0 <= row < rows:
+                raise IndexError(f"checkpoint {k}: temporal_row {row} is outside the {rows} rows of "
+                                 f"the temporal source of {state.layer or '?'}")
