@@ -95,9 +95,9 @@ def apply_row_moves(states: Sequence[MambaStateTensor], moves: RowMoves) -> None
             new = torch.where(pos < length, torch.gather(new, axis, pos.clamp(max=length - 1)), old)
         keep = moving.view(-1, *([1] * (new.dim() - 1)))
         new = torch.where(keep, new, old)
-        first = torch.argmax(moving.to(torch.int32))
-        dst = torch.where(moving, dst, dst[first])
-        new = torch.where(keep, new, new[first])
+        first = torch.argmax(moving.to(torch.int32)).view(1)  # a tensor index: no host read
+        dst = torch.where(moving, dst, dst.index_select(0, first))
+        new = torch.where(keep, new, new.index_select(0, first))
         staged.append((tensor, dst, new))
     for tensor, dst, new in staged:
         tensor[dst] = new
