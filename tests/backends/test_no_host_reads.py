@@ -23,6 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from vllm_hybrid_backends import plugins, reference
+from vllm_hybrid_backends.backends.triton import backend as triton_backend
 from vllm_hybrid_backends.types import CheckpointBatch, MambaStateTensor, StateKind
 
 REFUSED = {
@@ -167,7 +168,7 @@ def test_the_ascend_torch_path_reads_no_device_value():
 @pytest.fixture(scope="module")
 def interpreted_kernels():
     pytest.importorskip("triton")
-    from vllm_hybrid_backends.backends import triton_state_kernels as shared
+    from vllm_hybrid_backends.backends.triton import kernels as shared
 
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -201,7 +202,7 @@ class _Launch:
 
 @pytest.mark.parametrize("vendor", ["cuda", "rocm"])
 def test_the_triton_backend_reads_no_device_value(vendor, interpreted_kernels, monkeypatch):
-    backend = importlib.import_module(f"vllm_hybrid_backends.backends.{vendor}.backend")
+    backend = getattr(triton_backend, vendor.upper())
     guard = RefuseHostReads()
     for name in ("_state_copy_kernel", "_checkpoint_kernel", "_gather_indices_kernel"):
         monkeypatch.setattr(interpreted_kernels, name, _Launch(getattr(interpreted_kernels, name), guard))
@@ -216,8 +217,8 @@ def test_the_guard_catches_a_host_read():
         ids = make(torch.tensor([1, 2]))
         with guard:
             (ids + 1).gather(0, ids.clamp(max=1))
-        for read in (lambda: ids.tolist(), lambda: int(ids[0]), lambda: bool((ids > 1).any()),
-                     lambda: ids[ids > 1], lambda: f"{ids}"):
+        for read in (lambda t=ids: t.tolist(), lambda t=ids: int(t[0]), lambda t=ids: bool((t > 1).any()),
+                     lambda t=ids: t[t > 1], lambda t=ids: f"{t}"):
             with pytest.raises(HostRead), guard:
                 read()
     with guard:

@@ -56,7 +56,8 @@ def _row_moves(block_tables: Sequence[torch.Tensor], active: torch.Tensor, src_c
         for at, value in enumerate((conv, torch.where(moving & (conv >= 0), dst, -1),
                                     temporal, torch.where(moving & (temporal >= 0), dst, -1))):
             moves[at].append(value)
-    return RowMoves(*(torch.stack(m) for m in moves), shift)
+    conv_src, conv_dst, temporal_src, temporal_dst = (torch.stack(m) for m in moves)
+    return RowMoves(conv_src, conv_dst, temporal_src, temporal_dst, shift)
 
 
 def _on(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:

@@ -609,34 +609,34 @@ def _launch_copies(segments: list[_Segment], tuning: LaunchTuning, device: torch
 def _run_moves(jobs: list[tuple[MambaStateTensor, _MovePlan]], tuning: LaunchTuning) -> None:
     """Perform every planned move (see :func:`_plan_moves`): the staging launch, if any, then
     one launch for everything else."""
-    jobs = [(state, plan) for state, plan in jobs if plan.highest >= 0]
+    jobs = [(state, moves) for state, moves in jobs if moves.highest >= 0]
     if not jobs:
         return
     device = jobs[0][0].tensor.device
-    for state, plan in jobs:
+    for state, moves in jobs:
         _check_device(state.tensor, f"state {state.layer or '?'}")
         _check_contiguous_blocks(state)
-        _check_block_ids((plan.lowest, plan.highest), state, "a move")
+        _check_block_ids((moves.lowest, moves.highest), state, "a move")
     pitches = [-(-_block_bytes(state) // 16) * 16 for state, _ in jobs]
-    total = sum(len(plan.staging) * pitch for (_, plan), pitch in zip(jobs, pitches))
+    total = sum(len(moves.staging) * pitch for (_, moves), pitch in zip(jobs, pitches))
     scratch = torch.empty(total, dtype=torch.uint8, device=device) if total else None
     staging: list[_Segment] = []
     main: list[_Segment] = []
     offset = 0
-    for (state, plan), pitch in zip(jobs, pitches):
+    for (state, moves), pitch in zip(jobs, pitches):
         base, block, *_ = _layout(state)
         nbytes = _block_bytes(state)
-        main.append(_flat_segment(base, block, base, block, nbytes, _item_table(plan.direct_flat)))
-        if plan.direct_window:
-            main.append(_window_segment(state, base, block, base, _item_table(plan.direct_window)))
-        if plan.staging:
+        main.append(_flat_segment(base, block, base, block, nbytes, _item_table(moves.direct_flat)))
+        if moves.direct_window:
+            main.append(_window_segment(state, base, block, base, _item_table(moves.direct_window)))
+        if moves.staging:
             assert scratch is not None
             staged = scratch.data_ptr() + offset
-            offset += len(plan.staging) * pitch
-            staging.append(_flat_segment(base, block, staged, pitch, nbytes, _item_table(plan.staging)))
-            main.append(_flat_segment(staged, pitch, base, block, nbytes, _item_table(plan.staged_flat)))
-            if plan.staged_window:
-                main.append(_window_segment(state, staged, pitch, base, _item_table(plan.staged_window)))
+            offset += len(moves.staging) * pitch
+            staging.append(_flat_segment(base, block, staged, pitch, nbytes, _item_table(moves.staging)))
+            main.append(_flat_segment(staged, pitch, base, block, nbytes, _item_table(moves.staged_flat)))
+            if moves.staged_window:
+                main.append(_window_segment(state, staged, pitch, base, _item_table(moves.staged_window)))
     if staging:
         _launch_copies(staging, tuning, device)
     _launch_copies(main, tuning, device)
