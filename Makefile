@@ -3,7 +3,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-vllm033 lint test test-vllm033 demo fuzz bench docs
+.PHONY: setup setup-vllm033 lint test test-vllm033 demo fuzz bench docs gpu-check
 
 setup:
 	bash scripts/setup_env.sh
@@ -34,6 +34,12 @@ demo: setup
 # State-copy throughput of the available backends against this device's copy ceiling.
 bench: setup
 	$(PY) bench/kernels.py
+
+# On a bare GPU machine (torch, triton, pluggy; no vLLM, no setup): the Triton backend's hooks vs
+# the reference, host-sync check, copy bandwidth. Without a GPU: one line, exit status 2.
+PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m vllm_hybrid_backends.gpu_check
 
 # Regenerate docs/hooks.md and docs/patches.md from the docstrings.
 docs: setup

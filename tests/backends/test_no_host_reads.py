@@ -13,8 +13,6 @@ them: on a device it is the move, queued without waiting.
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -163,24 +161,6 @@ def test_the_ascend_torch_path_reads_no_device_value():
 
     calls = _per_step_calls(_states("meta"), _meta, _Hooks(ascend, path=ascend.TORCH))
     assert _run_all(calls, RefuseHostReads()) == {}
-
-
-@pytest.fixture(scope="module")
-def interpreted_kernels():
-    pytest.importorskip("triton")
-    from vllm_hybrid_backends.backends.triton import kernels as shared
-
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        importlib.reload(shared)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    yield shared
-    importlib.reload(shared)
 
 
 class _Launch:

@@ -11,8 +11,6 @@ The probes say "unavailable" here, so the hook implementations are called direct
 from __future__ import annotations
 
 import ctypes
-import importlib
-import os
 import subprocess
 import sys
 import zlib
@@ -38,27 +36,9 @@ MEMCPY_KERNEL = "vllm.v1.worker.mamba_utils.batch_memcpy_kernel"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def interpreted_kernels():
-    """The shared Triton kernels rebuilt for the interpreter, and rebuilt normally afterwards.
-
-    ``TRITON_INTERPRET`` is read when a kernel is defined, so it is set only while the module is
-    (re)imported: engine subprocesses started by other tests never inherit it.
-    """
-    pytest.importorskip("triton")
-    from vllm_hybrid_backends.backends.triton import kernels as shared
-
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        importlib.reload(shared)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    assert shared.INTERPRETED
-    yield shared
-    importlib.reload(shared)
+def _interpreted(interpreted_kernels):
+    """Every test of this module runs the kernels in the Triton interpreter (conftest.py)."""
+    return interpreted_kernels
 
 
 @pytest.fixture
