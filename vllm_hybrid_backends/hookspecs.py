@@ -193,6 +193,9 @@ def hb_store_checkpoints(
       it is stored in the state's own layout.
     - temporal state: ``sources[j][temporal_row[k]]`` (same trailing shape as a block) is stored,
       cast to the state's dtype.
+
+    A checkpoint may not start from a block the same call writes, and a block is written at most
+    once (the facade rejects both for host tensors).
     """
 
 

@@ -66,25 +66,54 @@ def copy_state_blocks(
 
 
 def apply_row_moves(states: Sequence[MambaStateTensor], moves: RowMoves) -> None:
-    """Perform a :class:`~.backends.plan.RowMoves` plan in torch: every read before any write.
+    """Perform a :class:`~.backends.plan.RowMoves` plan in torch: every read before any write."""
+    if moves.shift.device.type == "cpu":
+        _host_row_moves(states, moves)
+    else:
+        _device_row_moves(states, moves)
 
-    On the host (CPU index tensors) only the moving rows are touched. Elsewhere every row is
-    gathered and written back without reading a value to the host: a row that moves nothing
-    writes the first moving row's block with that row's new value (the same bytes twice).
-    """
+
+def _host_row_moves(states: Sequence[MambaStateTensor], moves: RowMoves) -> None:
+    """Index tensors on the host: only the moving rows, block by block (small copies stay on
+    one thread), conv windows grouped by shift."""
+    picks: dict[tuple[int, bool], list[tuple[int, list[int], list[int]]]] = {}
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for state in states:
+        tensor, conv = state.tensor, state.kind.is_conv
+        key = (state.group, conv)
+        if key not in picks:
+            src, dst = moves.of(state)
+            rows = (dst >= 0).nonzero().squeeze(1)
+            src, dst, shift = src[rows], dst[rows], moves.shift[rows]
+            picks[key] = ([(b, src[shift == b].tolist(), dst[shift == b].tolist())
+                           for b in shift.unique().tolist()] if conv else [(0, src.tolist(), dst.tolist())])
+        for bias, src_ids, dst_ids in picks[key]:
+            if not conv:
+                staged.extend((tensor[d], tensor[s].clone()) for s, d in zip(src_ids, dst_ids))
+                continue
+            axis, length = (0 if state.kind is StateKind.CONV_SD else 1), state.state_len
+            if bias >= length:
+                raise ValueError(f"token bias {bias} is outside [0, {length}) (conv state_len of "
+                                 f"layer {state.layer or '?'})")
+            staged.extend((tensor[d].narrow(axis, 0, length - bias),
+                           tensor[s].narrow(axis, bias, length - bias).clone())
+                          for s, d in zip(src_ids, dst_ids))
+    for target, value in staged:
+        target.copy_(value)
+
+
+def _device_row_moves(states: Sequence[MambaStateTensor], moves: RowMoves) -> None:
+    """Index tensors on a device: every row is gathered and written back, nothing is read on the
+    host; a row that moves nothing writes the first moving row's block with that row's new
+    value (the same bytes twice)."""
     staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for state in states:
         tensor = state.tensor
         (src, dst), shift = moves.of(state), moves.shift
-        if dst.device.type == "cpu":
-            rows = (dst >= 0).nonzero().squeeze(1)
-            src, dst, shift = src[rows], dst[rows], shift[rows]
-            if rows.numel() == 0:
-                continue
         src, dst, shift = (t.to(tensor.device, non_blocking=True) for t in (src, dst, shift))
         moving = dst >= 0
         src, dst = src.clamp(min=0), dst.clamp(min=0)
-        old, new = tensor[dst], tensor[src]
+        old, new = tensor.index_select(0, dst), tensor.index_select(0, src)
         if state.kind.is_conv:
             axis = 1 if state.kind is StateKind.CONV_SD else 2
             length = tensor.shape[axis]
@@ -100,7 +129,7 @@ def apply_row_moves(states: Sequence[MambaStateTensor], moves: RowMoves) -> None
         new = torch.where(keep, new, new.index_select(0, first))
         staged.append((tensor, dst, new))
     for tensor, dst, new in staged:
-        tensor[dst] = new
+        tensor.index_copy_(0, dst, new)
 
 
 def precopy_running_states(
@@ -137,7 +166,7 @@ def store_checkpoints(
         dst = checkpoints.dst_block.to(tensor.device, torch.long, non_blocking=True)
         if not state.kind.is_conv:
             rows = checkpoints.temporal_row.to(source.device, torch.long, non_blocking=True)
-            staged.append((tensor, dst, source[rows].to(tensor.device)))
+            staged.append((tensor, dst, source.index_select(0, rows).to(tensor.device)))
             continue
         length, device = state.state_len, source.device
         end, start = (getattr(checkpoints, f).to(device, torch.long, non_blocking=True)[:, None]
@@ -150,7 +179,7 @@ def store_checkpoints(
             taken = source.new_zeros((pos.shape[0], length, source.shape[1]))
         # slots before the sequence start: the tail of the initial block's window, or zeros
         initial = checkpoints.initial_block.to(tensor.device, torch.long, non_blocking=True)
-        previous = tensor[initial.clamp(min=0)]
+        previous = tensor.index_select(0, initial.clamp(min=0))
         if state.kind is StateKind.CONV_DS:
             previous = previous.transpose(1, 2)
         at = (length + pos - start).clamp(0, length - 1).to(tensor.device)
@@ -161,7 +190,7 @@ def store_checkpoints(
             window = window.transpose(1, 2)
         staged.append((tensor, dst, window.to(tensor.device)))
     for tensor, dst, value in staged:
-        tensor[dst] = value.to(tensor.dtype)
+        tensor.index_copy_(0, dst, value.to(tensor.dtype))
 
 
 def gather_aligned_state_indices(
