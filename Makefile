@@ -3,7 +3,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-vllm033 lint test test-vllm033 test-matrix demo fuzz bench bench-serve bench-serve-smoke docs
+.PHONY: setup setup-vllm033 lint test test-vllm033 test-matrix demo fuzz bench bench-serve bench-serve-smoke docs gpu-check
 
 setup:
 	bash scripts/setup_env.sh
@@ -48,6 +48,13 @@ bench-serve: setup
 # Its end-to-end smoke test (two small servers, 4-6 min on 2 cores; not part of make test).
 bench-serve-smoke: setup
 	VLLM_HYBRID_SERVE_SMOKE=1 $(PY) -m pytest -q tests/backends/test_bench_serve.py
+
+# On a bare GPU machine (torch, triton, pluggy; no vLLM, no setup): the Triton backend's hooks vs
+# the reference, host-sync check, copy bandwidth. Without a GPU: one line, exit status 2.
+PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m vllm_hybrid_backends.gpu_check
+
 # Regenerate docs/hooks.md and docs/patches.md from the docstrings.
 docs: setup
 	$(PY) -m vllm_hybrid_backends.docs

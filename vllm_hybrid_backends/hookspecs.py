@@ -18,6 +18,10 @@ Conventions shared by every state-operation hook:
   regions, including in-place conv-window shifts inside one block, give the same result as if
   all sources were copied out first.
 - A destination block may appear at most once per group; the facade rejects duplicates.
+- Per-step hooks (precopy, postprocess, checkpoint store, index gather) never read a device
+  tensor's values on the host (no ``.item()``, ``.tolist()``, ``.cpu()``, boolean-mask indexing):
+  *which* rows move where is :mod:`.backends.plan`, tensor ops written once for every backend; a
+  backend implements only the move. The facades check plans made from host tensors.
 - Returning ``None`` means the operation was done (these hooks write into ``states``).
 """
 
@@ -91,7 +95,7 @@ def hb_select_backend(
 # ---------------------------------------------------------------------------------------------
 # State operations: called in vLLM worker processes, on every scheduler step that needs them,
 # with the worker's cache tensors. Implementations must not synchronise with the host beyond
-# what their inputs force.
+# what their inputs force: per-step hooks make none (tests/backends/test_no_host_reads.py).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -131,6 +135,10 @@ def hb_precopy_running_states(
       last ``b`` positions of the destination left as they were;
     - temporal state: the accepted speculative column, ``state[bt[dst]] = state[bt[src + b]]``.
 
+    Each request owns its running blocks: no request reads a block another request writes (the
+    facade rejects it for host tensors; vLLM's block tables never do it), so a mover needs no
+    staging across requests. Rows whose columns fall outside their table move nothing.
+
     :param block_tables: one int tensor ``[num_reqs, max_cols]`` per Mamba group.
     :param src_cols: int ``[num_reqs]``, previous running column, ``-1`` for none.
     :param dst_cols: int ``[num_reqs]``, the running column for this step.
@@ -159,6 +167,9 @@ def hb_postprocess_accepted_states(
     bias ``aligned - num_running_tokens`` (same copy rule as :func:`hb_precopy_running_states`)
     into column ``aligned // block_size - 1``; when that column equals the running column,
     ``num_accepted_out[r]`` is set to ``1``. Other entries of ``num_accepted_out`` are untouched.
+    Requests own their blocks as in :func:`hb_precopy_running_states`. A row given
+    ``2 * block_size - 1`` running tokens and 1 accepted moves nothing
+    (:func:`.backends.plan.skipped_row_inputs`).
 
     :param num_accepted_out: int ``[num_reqs]``, may be the same tensor as ``num_accepted``.
     """
@@ -182,6 +193,9 @@ def hb_store_checkpoints(
       it is stored in the state's own layout.
     - temporal state: ``sources[j][temporal_row[k]]`` (same trailing shape as a block) is stored,
       cast to the state's dtype.
+
+    A checkpoint may not start from a block the same call writes, and a block is written at most
+    once (the facade rejects both for host tensors).
     """
 
 

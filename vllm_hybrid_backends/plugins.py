@@ -293,6 +293,11 @@ def precopy_running_states(
         raise ValueError(f"token_bias must be >= 0, got {int(token_bias.min())}")
     if not states or src_cols.numel() == 0:
         return
+    from .backends import plan
+
+    if plan.on_host(*block_tables, src_cols, dst_cols, token_bias):
+        plan.check_row_moves(states, plan.precopy_moves(block_tables, src_cols, dst_cols, token_bias),
+                             "precopy")
     _implementation("hb_precopy_running_states")(
         states=states, block_tables=block_tables, src_cols=src_cols, dst_cols=dst_cols,
         token_bias=token_bias,
@@ -322,6 +327,12 @@ def postprocess_accepted_states(
     _check_states(states, len(block_tables))
     if num_accepted_out is None:
         num_accepted_out = num_accepted
+    from .backends import plan
+
+    if states and plan.on_host(*block_tables, running_cols, num_running_tokens, num_accepted):
+        moves, _ = plan.postprocess_moves(block_tables, running_cols, num_running_tokens,
+                                          num_accepted, block_size)
+        plan.check_row_moves(states, moves, "postprocess")
     _implementation("hb_postprocess_accepted_states")(
         states=states, block_tables=block_tables, running_cols=running_cols,
         num_running_tokens=num_running_tokens, num_accepted=num_accepted, block_size=block_size,
@@ -357,6 +368,11 @@ def store_checkpoints(
             )
     if not states or checkpoints.dst_block.numel() == 0:
         return
+    from .backends import plan
+
+    if plan.on_host(*(getattr(checkpoints, f) for f in ("dst_block", "initial_block", "token_end",
+                                                          "seq_start", "temporal_row"))):
+        plan.check_checkpoints(states, sources, checkpoints)
     _implementation("hb_store_checkpoints")(states=states, sources=sources, checkpoints=checkpoints)
 
 

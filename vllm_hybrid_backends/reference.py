@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .backends import plan
+from .backends.plan import RowMoves
 from .hookspecs import hookimpl
 from .types import (
     Availability,
@@ -63,36 +65,71 @@ def copy_state_blocks(
         tensor[dst_index] = tensor[src_index]  # advanced indexing gathers first
 
 
-def _shifted_copies(
-    states: Sequence[MambaStateTensor],
-    block_tables: Sequence[torch.Tensor],
-    rows: list[int],
-    src_cols: list[int],
-    dst_cols: list[int],
-    biases: list[int],
-) -> None:
-    """Copy state (column ``src``, bias ``b``) → column ``dst`` for each listed request row."""
-    staged: list[tuple[MambaStateTensor, int, torch.Tensor]] = []
+def apply_row_moves(states: Sequence[MambaStateTensor], moves: RowMoves) -> None:
+    """Perform a :class:`~.backends.plan.RowMoves` plan in torch: every read before any write."""
+    if moves.shift.device.type == "cpu":
+        _host_row_moves(states, moves)
+    else:
+        _device_row_moves(states, moves)
+
+
+def _host_row_moves(states: Sequence[MambaStateTensor], moves: RowMoves) -> None:
+    """Index tensors on the host: only the moving rows, block by block (small copies stay on
+    one thread), conv windows grouped by shift."""
+    picks: dict[tuple[int, bool], list[tuple[int, list[int], list[int]]]] = {}
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
     for state in states:
-        table = block_tables[state.group]
-        for row, src, dst, bias in zip(rows, src_cols, dst_cols, biases):
-            dst_block = int(table[row, dst])
-            if state.kind.is_conv:
-                length = state.state_len
-                if not 0 <= bias < length:
-                    raise ValueError(
-                        f"token bias {bias} of request row {row} is outside [0, {length}) "
-                        f"(conv state_len of layer {state.layer or '?'})"
-                    )
-                source = _window(state, int(table[row, src]), bias, length).clone()
-            else:
-                source = state.tensor[int(table[row, src + bias])].clone()
-            staged.append((state, dst_block, source))
-    for state, dst_block, source in staged:
+        tensor, conv = state.tensor, state.kind.is_conv
+        key = (state.group, conv)
+        if key not in picks:
+            src, dst = moves.of(state)
+            rows = (dst >= 0).nonzero().squeeze(1)
+            src, dst, shift = src[rows], dst[rows], moves.shift[rows]
+            picks[key] = ([(b, src[shift == b].tolist(), dst[shift == b].tolist())
+                           for b in shift.unique().tolist()] if conv else [(0, src.tolist(), dst.tolist())])
+        for bias, src_ids, dst_ids in picks[key]:
+            if not conv:
+                staged.extend((tensor[d], tensor[s].clone()) for s, d in zip(src_ids, dst_ids))
+                continue
+            axis, length = (0 if state.kind is StateKind.CONV_SD else 1), state.state_len
+            if bias >= length:
+                raise ValueError(f"token bias {bias} is outside [0, {length}) (conv state_len of "
+                                 f"layer {state.layer or '?'})")
+            staged.extend((tensor[d].narrow(axis, 0, length - bias),
+                           tensor[s].narrow(axis, bias, length - bias).clone())
+                          for s, d in zip(src_ids, dst_ids))
+    for target, value in staged:
+        target.copy_(value)
+
+
+def _device_row_moves(states: Sequence[MambaStateTensor], moves: RowMoves) -> None:
+    """Index tensors on a device: every row is gathered and written back, nothing is read on the
+    host; a row that moves nothing writes the first moving row's block with that row's new
+    value (the same bytes twice)."""
+    staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for state in states:
+        tensor = state.tensor
+        (src, dst), shift = moves.of(state), moves.shift
+        src, dst, shift = (t.to(tensor.device, non_blocking=True) for t in (src, dst, shift))
+        moving = dst >= 0
+        src, dst = src.clamp(min=0), dst.clamp(min=0)
+        old, new = tensor.index_select(0, dst), tensor.index_select(0, src)
         if state.kind.is_conv:
-            _window(state, dst_block, 0, source.shape[0 if state.kind is StateKind.CONV_SD else 1]).copy_(source)
-        else:
-            state.tensor[dst_block].copy_(source)
+            axis = 1 if state.kind is StateKind.CONV_SD else 2
+            length = tensor.shape[axis]
+            pos = torch.arange(length, device=tensor.device)[None, :] + shift[:, None]
+            shape = [-1, 1, 1]
+            shape[axis] = length
+            pos = pos.view(*shape).expand_as(new)
+            new = torch.where(pos < length, torch.gather(new, axis, pos.clamp(max=length - 1)), old)
+        keep = moving.view(-1, *([1] * (new.dim() - 1)))
+        new = torch.where(keep, new, old)
+        first = torch.argmax(moving.to(torch.int32)).view(1)  # a tensor index: no host read
+        dst = torch.where(moving, dst, dst.index_select(0, first))
+        new = torch.where(keep, new, new.index_select(0, first))
+        staged.append((tensor, dst, new))
+    for tensor, dst, new in staged:
+        tensor.index_copy_(0, dst, new)
 
 
 def precopy_running_states(
@@ -102,15 +139,7 @@ def precopy_running_states(
     dst_cols: torch.Tensor,
     token_bias: torch.Tensor,
 ) -> None:
-    rows, srcs, dsts, biases = [], [], [], []
-    for row, (src, dst, bias) in enumerate(zip(src_cols.tolist(), dst_cols.tolist(), token_bias.tolist())):
-        if src < 0 or (src == dst and bias == 0):
-            continue
-        rows.append(row)
-        srcs.append(src)
-        dsts.append(dst)
-        biases.append(bias)
-    _shifted_copies(states, block_tables, rows, srcs, dsts, biases)
+    apply_row_moves(states, plan.precopy_moves(block_tables, src_cols, dst_cols, token_bias))
 
 
 def postprocess_accepted_states(
@@ -122,61 +151,46 @@ def postprocess_accepted_states(
     block_size: int,
     num_accepted_out: torch.Tensor,
 ) -> None:
-    rows, srcs, dsts, biases, reset = [], [], [], [], []
-    for row, (src, running, accepted) in enumerate(
-        zip(running_cols.tolist(), num_running_tokens.tolist(), num_accepted.tolist())
-    ):
-        aligned = (running + accepted - 1) // block_size * block_size
-        if aligned < running:
-            continue
-        bias = aligned - running
-        dst = aligned // block_size - 1
-        if src == dst:
-            reset.append(row)
-            if bias == 0:
-                continue
-        rows.append(row)
-        srcs.append(src)
-        dsts.append(dst)
-        biases.append(bias)
-    _shifted_copies(states, block_tables, rows, srcs, dsts, biases)
-    if reset:
-        num_accepted_out[torch.tensor(reset, device=num_accepted_out.device)] = 1
+    moves, reset = plan.postprocess_moves(block_tables, running_cols, num_running_tokens,
+                                          num_accepted, block_size)
+    apply_row_moves(states, moves)
+    plan.apply_reset(num_accepted_out, reset)
 
 
 def store_checkpoints(
     states: Sequence[MambaStateTensor], sources: Sequence[torch.Tensor], checkpoints: CheckpointBatch
 ) -> None:
-    token_end = checkpoints.token_end.tolist()
-    seq_start = checkpoints.seq_start.tolist()
-    initial = checkpoints.initial_block.tolist()
-    dst_blocks = checkpoints.dst_block.tolist()
-    temporal_rows = checkpoints.temporal_row.tolist()
-    staged: list[tuple[MambaStateTensor, int, torch.Tensor]] = []  # read everything, then write
+    staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # read everything, then write
     for state, source in zip(states, sources):
-        for k, dst in enumerate(dst_blocks):
-            if not state.kind.is_conv:
-                staged.append((state, dst, source[temporal_rows[k]]))
-                continue
-            length = state.state_len
-            end, start = token_end[k], seq_start[k]
-            from_input = source[max(end - length, start) : end]  # [rows, dim]
-            missing = length - from_input.shape[0]
-            if missing:
-                if initial[k] >= 0:
-                    prefix = _window(state, initial[k], length - missing, length)
-                    if state.kind is StateKind.CONV_DS:
-                        prefix = prefix.transpose(0, 1)
-                    prefix = prefix.to(from_input.dtype)
-                else:
-                    prefix = from_input.new_zeros((missing, from_input.shape[1]))
-                from_input = torch.cat([prefix, from_input], dim=0)
-            else:
-                from_input = from_input.clone()
-            window = from_input if state.kind is StateKind.CONV_SD else from_input.transpose(0, 1)
-            staged.append((state, dst, window))
-    for state, dst, value in staged:
-        state.tensor[dst].copy_(value)
+        tensor = state.tensor
+        dst = checkpoints.dst_block.to(tensor.device, torch.long, non_blocking=True)
+        if not state.kind.is_conv:
+            rows = checkpoints.temporal_row.to(source.device, torch.long, non_blocking=True)
+            staged.append((tensor, dst, source.index_select(0, rows).to(tensor.device)))
+            continue
+        length, device = state.state_len, source.device
+        end, start = (getattr(checkpoints, f).to(device, torch.long, non_blocking=True)[:, None]
+                      for f in ("token_end", "seq_start"))
+        pos = end - length + torch.arange(length, device=device)[None, :]  # input row of each slot
+        from_input = (pos >= start)[:, :, None]
+        if source.shape[0]:
+            taken = source[pos.clamp(0, source.shape[0] - 1)]  # [K, L, dim]
+        else:
+            taken = source.new_zeros((pos.shape[0], length, source.shape[1]))
+        # slots before the sequence start: the tail of the initial block's window, or zeros
+        initial = checkpoints.initial_block.to(tensor.device, torch.long, non_blocking=True)
+        previous = tensor.index_select(0, initial.clamp(min=0))
+        if state.kind is StateKind.CONV_DS:
+            previous = previous.transpose(1, 2)
+        at = (length + pos - start).clamp(0, length - 1).to(tensor.device)
+        previous = torch.gather(previous, 1, at[:, :, None].expand(-1, -1, previous.shape[2]))
+        previous = torch.where((initial >= 0)[:, None, None], previous.to(source.dtype).to(device), 0)
+        window = torch.where(from_input, taken, previous)
+        if state.kind is StateKind.CONV_DS:
+            window = window.transpose(1, 2)
+        staged.append((tensor, dst, window.to(tensor.device)))
+    for tensor, dst, value in staged:
+        tensor.index_copy_(0, dst, value.to(tensor.dtype))
 
 
 def gather_aligned_state_indices(

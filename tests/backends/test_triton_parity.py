@@ -11,8 +11,6 @@ The probes say "unavailable" here, so the hook implementations are called direct
 from __future__ import annotations
 
 import ctypes
-import importlib
-import os
 import subprocess
 import sys
 import zlib
@@ -21,7 +19,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from vllm_hybrid_backends import reference
+from vllm_hybrid_backends import plugins, reference
 from vllm_hybrid_backends.backends.triton.backend import CUDA as cuda_backend
 from vllm_hybrid_backends.backends.triton.backend import ROCM as rocm_backend
 from vllm_hybrid_backends.hookspecs import STATE_OPERATION_HOOKS
@@ -38,27 +36,9 @@ MEMCPY_KERNEL = "vllm.v1.worker.mamba_utils.batch_memcpy_kernel"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def interpreted_kernels():
-    """The shared Triton kernels rebuilt for the interpreter, and rebuilt normally afterwards.
-
-    ``TRITON_INTERPRET`` is read when a kernel is defined, so it is set only while the module is
-    (re)imported: engine subprocesses started by other tests never inherit it.
-    """
-    pytest.importorskip("triton")
-    from vllm_hybrid_backends.backends.triton import kernels as shared
-
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        importlib.reload(shared)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    assert shared.INTERPRETED
-    yield shared
-    importlib.reload(shared)
+def _interpreted(interpreted_kernels):
+    """Every test of this module runs the kernels in the Triton interpreter (conftest.py)."""
+    return interpreted_kernels
 
 
 @pytest.fixture
@@ -211,9 +191,6 @@ def test_precopy_matches_reference(backend, dtype, conv_kind, rng):
     src_cols = torch.tensor([0, 1, 2, 1, 3, -1, 2, 0])
     dst_cols = torch.tensor([1, 2, 2, 1, 4, 0, 2, 3])
     bias = torch.tensor([0, 1, 2, 3, 1, 0, 0, 2])
-    # a chain across requests: request 7 moves into the block request 0 reads from
-    for table in tables:
-        table[7, 3] = table[0, 0]
     read_cols = [(r, c) for r, (s, b) in enumerate(zip(src_cols.tolist(), bias.tolist())) if s >= 0
                  for c in (s, s + b)]  # conv reads column s, temporal column s + b
     poison_all_but(states, {g: {int(tables[g][r, c]) for r, c in read_cols} for g in range(2)})
@@ -379,14 +356,19 @@ def test_kernel_overrides_only_for_the_backends_platform(backend):
 # ---- errors -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_bias_outside_the_window_is_rejected_like_the_reference(backend, rng):
-    states = random_states(rng, torch.float32, [(StateKind.CONV_SD, (3, 4), 0)], 6)
+def test_moves_a_mover_cannot_do_exactly_are_rejected_by_the_facade(rng):
+    # the checks run where the plan's inputs are on the host; backends only move
+    states = random_states(rng, torch.float32, [(StateKind.CONV_SD, (3, 4), 0)], 8)
     args = ([torch.tensor([[0, 1, 2]])], torch.tensor([0]), torch.tensor([2]), torch.tensor([3]))
     with pytest.raises(ValueError, match=r"token bias 3 of request row 0 is outside \[0, 3\)"):
-        reference.precopy_running_states(states, *args)
-    with pytest.raises(ValueError, match=r"token bias 3 of request row 0 is outside \[0, 3\)"):
-        backend.hb_precopy_running_states(states, *args)
+        plugins.precopy_running_states(states, *args)
+    # a chain across requests: request 1 writes the block request 0 reads
+    chain = ([torch.tensor([[0, 1], [2, 0]])], torch.tensor([0, 0]), torch.tensor([1, 1]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="request row 0 reads block 0 of group 0, which request row 1 writes"):
+        plugins.precopy_running_states(states, *chain)
+    with pytest.raises(ValueError, match="request rows 0 and 1 both write block 5"):
+        plugins.postprocess_accepted_states(states, [torch.tensor([[1, 5], [2, 5]])], torch.tensor([0, 0]),
+                                            torch.tensor([6, 6]), torch.tensor([3, 3]), 4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -402,7 +384,7 @@ def test_bad_inputs_get_one_clear_error(backend, rng):
     conv = random_states(rng, torch.float32, [(StateKind.CONV_SD, (3, 4), 0)], 6)
     batch = CheckpointBatch(*(torch.tensor(v) for v in ([3, 3], [0, 0], [2, -1], [1, 2], [0, 0])))
     with pytest.raises(ValueError, match="checkpoint 0 starts from block 2, which this call also writes"):
-        backend.hb_store_checkpoints(conv, [torch.zeros(5, 4)], batch)
+        plugins.store_checkpoints(conv, [torch.zeros(5, 4)], batch)
 
 
 # ---- routing ----------------------------------------------------------------------------------

@@ -297,17 +297,12 @@ def _postprocess(ctx: Any, view: _ContextView, rows: Any, valid: Any, running_co
                  running_tokens: Any, accepted: Any, accepted_out: Any) -> None:
     """``rows``: the block-table rows (:func:`_table_rows`)."""
     """One ``hb_postprocess_accepted_states`` call for the given request-slot rows."""
-    import torch
-
     from .. import plugins
+    from ..backends import plan
 
     block_size = int(ctx.block_size)
     if valid is not None:
-        if block_size < 2:
-            raise ValueError(f"Mamba block_size {block_size} < 2 cannot mark skipped rows")
-        # a skipped row: 2*bs-1 tokens, 1 accepted -> the last boundary (bs) is behind it
-        running_tokens = torch.where(valid, running_tokens, 2 * block_size - 1)
-        accepted = torch.where(valid, accepted, torch.ones_like(accepted))
+        running_tokens, accepted = plan.skipped_row_inputs(valid, running_tokens, accepted, block_size)
     _trace_first("postprocess_accepted_tokens", accepted, 1)
     plugins.postprocess_accepted_states(
         view.states, [table[rows] for table in view.block_tables], running_cols, running_tokens,

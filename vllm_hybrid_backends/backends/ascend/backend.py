@@ -9,9 +9,10 @@ overrides it):
   requests.
 
 Both give exactly the reference's results (``vllm_hybrid_backends.reference``), snapshot
-semantics included. The decisions (which request moves which column, with which bias) are made
-on the host from the index tensors: vLLM's V1 path hands the hooks host tensors, so this costs no
-synchronisation there; index tensors on the NPU are copied to the host first (one small sync).
+semantics included. Which request moves which column, with which bias, is the shared plan
+(:mod:`..plan`, tensor ops). Index tensors on the NPU, and the torch path, use the shared torch
+movers: nothing is read back to the host. The Triton path turns plans made from host tensors
+(vLLM's V1 path hands the hooks host tensors) into its region copies on the host.
 
 ``torch_npu`` (and ``triton``) are imported only when the backend is probed or used, through
 :mod:`vllm_hybrid_backends.device`, never when this module is imported.
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ... import reference
 from ...device import (
     ascend_soc_name,
     ascend_vector_cores,
@@ -38,6 +40,7 @@ from ...device import (
 from ...hookspecs import hookimpl
 from ...logs import logger
 from ...types import Availability, BackendIdentity, CheckpointBatch, DeviceKind, MambaStateTensor
+from .. import plan
 from . import torch_npu_ops, tuning
 
 NAME = "ascend"
@@ -128,28 +131,6 @@ def _check_conv_biases(state: MambaStateTensor, rows: np.ndarray, biases: np.nda
         i = int(bad[0])
         raise ValueError(f"token bias {int(biases[i])} of request row {int(rows[i])} is outside "
                          f"[0, {length}) (conv state_len of layer {state.layer or '?'})")
-
-
-def plan_precopy(src_cols: torch.Tensor, dst_cols: torch.Tensor, token_bias: torch.Tensor):
-    """Rows that move before the forward: a previous column exists and it is a real move."""
-    src, dst, bias = _host(src_cols), _host(dst_cols), _host(token_bias)
-    if (bias < 0).any():
-        raise ValueError(f"token_bias must be >= 0, got {int(bias.min())}")
-    rows = np.flatnonzero((src >= 0) & ~((src == dst) & (bias == 0)))
-    return rows, src[rows], dst[rows], bias[rows]
-
-
-def plan_postprocess(running_cols: torch.Tensor, num_running_tokens: torch.Tensor,
-                     num_accepted: torch.Tensor, block_size: int):
-    """Rows whose accepted tokens crossed a block boundary, and rows whose count resets to 1."""
-    running, tokens, accepted = _host(running_cols), _host(num_running_tokens), _host(num_accepted)
-    aligned = (tokens + accepted - 1) // block_size * block_size
-    crossed = aligned >= tokens
-    bias = aligned - tokens
-    dst = aligned // block_size - 1
-    same_column = crossed & (running == dst)
-    rows = np.flatnonzero(crossed & ~(same_column & (bias == 0)))
-    return rows, running[rows], dst[rows], bias[rows], np.flatnonzero(same_column)
 
 
 def plan_conv_windows(checkpoints: dict[str, np.ndarray], length: int, num_tokens: int
@@ -251,28 +232,32 @@ def _host_rows(blocks: torch.Tensor) -> np.ndarray:
     return blocks.detach().to("cpu").numpy().astype(np.int64, copy=False)
 
 
-def _shifted_copies(states: Sequence[MambaStateTensor], block_tables: Sequence[torch.Tensor],
-                    rows: np.ndarray, src_cols: np.ndarray, dst_cols: np.ndarray,
-                    biases: np.ndarray, path: str | None) -> None:
-    """Copy each listed row's state (column ``src``, bias ``b``) into column ``dst``."""
-    if rows.size == 0 or not states:
+def _uses_torch_ops(path: str | None, *index_tensors: torch.Tensor) -> bool:
+    """The torch path, and index tensors on the NPU (reading them would sync), take the shared
+    torch movers; the Triton path plans its region copies on the host from host tensors."""
+    return (path or kernel_path()) == TORCH or not plan.on_host(*index_tensors)
+
+
+def _row_moves(states: Sequence[MambaStateTensor], moves: plan.RowMoves, path: str | None) -> None:
+    """Perform a :class:`~..plan.RowMoves` plan (made from host tensors on the Triton path)."""
+    if not states:
+        return
+    if _uses_torch_ops(path, moves.conv_dst):
+        reference.apply_row_moves(states, moves)
         return
     run = _Executor(states, path)
-    blocks: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
+    shifts = moves.shift.numpy()
     for state in states:
-        temporal = not state.kind.is_conv
-        key = (state.group, temporal)
-        if key not in blocks:
-            table = block_tables[state.group]
-            src_at = src_cols + biases if temporal else src_cols
-            blocks[key] = (_lookup(table, rows, src_at, state.group),
-                           _lookup(table, rows, dst_cols, state.group))
-        src, dst = blocks[key]
+        src, dst = (ids.numpy() for ids in moves.of(state))
+        rows = np.flatnonzero(dst >= 0)
+        if rows.size == 0:
+            continue
+        src, dst = src[rows], dst[rows]
+        shift = shifts[rows] if state.kind.is_conv else np.zeros_like(rows)
         if state.kind.is_conv:
-            _check_conv_biases(state, rows, biases)
+            _check_conv_biases(state, rows, shift)
         _check_blocks(state, "source block", src)
         _check_blocks(state, "destination block", dst)
-        shift = biases if state.kind.is_conv else np.zeros_like(biases)
         geo = run.geometry(state.tensor, state)
         if geo is None:
             torch_npu_ops.shift_copy(state, src, dst, shift, _occurrence(dst))
@@ -284,8 +269,7 @@ def _shifted_copies(states: Sequence[MambaStateTensor], block_tables: Sequence[t
 def precopy_running_states(states: Sequence[MambaStateTensor], block_tables: Sequence[torch.Tensor],
                            src_cols: torch.Tensor, dst_cols: torch.Tensor, token_bias: torch.Tensor,
                            path: str | None = None) -> None:
-    rows, src, dst, bias = plan_precopy(src_cols, dst_cols, token_bias)
-    _shifted_copies(states, block_tables, rows, src, dst, bias, path)
+    _row_moves(states, plan.precopy_moves(block_tables, src_cols, dst_cols, token_bias), path)
 
 
 def postprocess_accepted_states(states: Sequence[MambaStateTensor],
@@ -293,17 +277,19 @@ def postprocess_accepted_states(states: Sequence[MambaStateTensor],
                                 num_running_tokens: torch.Tensor, num_accepted: torch.Tensor,
                                 block_size: int, num_accepted_out: torch.Tensor,
                                 path: str | None = None) -> None:
-    rows, src, dst, bias, reset = plan_postprocess(running_cols, num_running_tokens, num_accepted,
-                                                   block_size)
-    _shifted_copies(states, block_tables, rows, src, dst, bias, path)
-    if reset.size:
-        num_accepted_out[torch.from_numpy(reset).to(num_accepted_out.device)] = 1
+    moves, reset = plan.postprocess_moves(block_tables, running_cols, num_running_tokens,
+                                          num_accepted, block_size)
+    _row_moves(states, moves, path)
+    plan.apply_reset(num_accepted_out, reset)
 
 
 def store_checkpoints(states: Sequence[MambaStateTensor], sources: Sequence[torch.Tensor],
                       checkpoints: CheckpointBatch, path: str | None = None) -> None:
-    fields = {name: _host(getattr(checkpoints, name)) for name in
-              ("token_end", "seq_start", "initial_block", "dst_block", "temporal_row")}
+    names = ("token_end", "seq_start", "initial_block", "dst_block", "temporal_row")
+    if _uses_torch_ops(path, *(getattr(checkpoints, name) for name in names)):
+        reference.store_checkpoints(states, sources, checkpoints)
+        return
+    fields = {name: _host(getattr(checkpoints, name)) for name in names}
     if not states or fields["dst_block"].size == 0:
         return
     run = _Executor(states, path)

@@ -68,9 +68,9 @@ class TritonBackend:
 
     @hookimpl
     def hb_precopy_running_states(self, states, block_tables, src_cols, dst_cols, token_bias) -> None:
-        """One launch for every request, layer and group. An in-place conv shift (same block) is
-        memmove-safe: one program per channel tile loads every token, passes a barrier, then
-        stores; sources another request overwrites are staged first."""
+        """One launch for every request, layer and group, its block ids read on the device
+        (:mod:`..plan`). An in-place conv shift (same block) is memmove-safe: one program per
+        channel tile loads every token, passes a barrier, then stores."""
         _kernels().precopy_running_states(states, block_tables, src_cols, dst_cols, token_bias,
                                           self.launch_tuning(states[0].tensor.device))
 
@@ -85,8 +85,8 @@ class TritonBackend:
 
     @hookimpl
     def hb_store_checkpoints(self, states, sources, checkpoints) -> None:
-        """One launch per (source dtype, state dtype) pair; casts round like torch. A checkpoint
-        may not start from a block the same call writes (rejected: reads come before writes)."""
+        """One launch per (source dtype, state dtype) pair; casts round like torch; the batch is
+        read on the device. A checkpoint may not start from a block the same call writes."""
         _kernels().store_checkpoints(states, sources, checkpoints,
                                      self.launch_tuning(states[0].tensor.device))
 

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from ...types import CheckpointBatch, MambaStateTensor, StateKind
+from .. import plan
 from .tuning import LaunchTuning
 
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
@@ -139,7 +140,8 @@ def _state_copy_kernel(
     shift = tl.load(items + 2 * num_items + item)
     src_at = tl.load(row + _SRC_BASE * num_segments) + src_block * tl.load(row + _SRC_BLOCK * num_segments)
     dst_at = tl.load(row + _DST_BASE * num_segments) + dst_block * tl.load(row + _DST_BLOCK * num_segments)
-    channels = tl.load(row + _CHANNELS * num_segments)
+    # a row the plan does not move (dst -1) copies nothing
+    channels = tl.where(dst_block >= 0, tl.load(row + _CHANNELS * num_segments), 0)
     # (names differ between the branches: Triton merges a name assigned in both into one type)
     if tl.load(row + _MODE * num_segments) == 0:
         start = tile * (FLAT_BLOCK * FLAT_STEPS)
@@ -401,8 +403,22 @@ def _offset_from(anchor: torch.Tensor, address: int, word: int) -> int:
 
 
 def _as_host_rows(tensor: torch.Tensor) -> list[Any]:
-    """Index values as Python lists (a device tensor is read back: one host sync)."""
+    """Index values as Python lists; only for tensors the caller has on the host."""
     return tensor.detach().to("cpu").tolist()
+
+
+def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host integers (addresses, strides) as an int64 tensor on ``device``, copied from pinned
+    memory without waiting for the device."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _item_table(items: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Host item list -> int64 ``[3, n]``."""
+    return torch.tensor(items, dtype=torch.int64).reshape(-1, 3).T
 
 
 def _block_bytes(state: MambaStateTensor) -> int:
@@ -444,7 +460,8 @@ def _check_unique_destinations(ids: Sequence[int], group: int, what: str) -> Non
 @dataclass
 class _Segment:
     fields: list[int]  # the _NUM_FIELDS values; bases are byte addresses until launch
-    items: Sequence[tuple[int, ...]]  # copies: (source, destination, shift); checkpoints: 5 fields
+    items: torch.Tensor  # int64 [fields, n] on the host or the device: copies (source, destination,
+    # shift); checkpoints 5 fields
     word: int  # bytes per element moved (copies); element size of the state (checkpoints)
     window_tokens: int = 0  # L of a window segment (sizes the tile)
     aligned: bool | None = None  # flat segments: every access 16-byte aligned; windows: None
@@ -460,7 +477,7 @@ def _launch_groups(segments: Sequence[_Segment], key: Any) -> dict[tuple[Any, bo
     flat: dict[tuple[Any, bool], list[_Segment]] = {}
     windows: dict[Any, list[_Segment]] = {}
     for segment in segments:
-        if not segment.items:
+        if segment.items.shape[1] == 0:
             continue
         if segment.aligned is None:
             windows.setdefault(key(segment), []).append(segment)
@@ -519,7 +536,7 @@ def _layout(state: MambaStateTensor) -> tuple[int, int, int, int, int]:
 
 
 def _flat_segment(src_base: int, src_block: int, dst_base: int, dst_block: int, nbytes: int,
-                  items: list[tuple[int, int, int]]) -> _Segment:
+                  items: torch.Tensor) -> _Segment:
     word = _widest_word(src_base, src_block, dst_base, dst_block, nbytes)
     fields = [src_base, src_block // word, 0, 1, dst_base, dst_block // word, 0, 1,
               1, nbytes // word, 0, 0, 0, MODE_FLAT]
@@ -528,7 +545,7 @@ def _flat_segment(src_base: int, src_block: int, dst_base: int, dst_block: int, 
 
 
 def _window_segment(state: MambaStateTensor, src_base: int, src_block: int, dst_base: int,
-                    items: list[tuple[int, int, int]]) -> _Segment:
+                    items: torch.Tensor) -> _Segment:
     """Shifted conv-window copies; source may be a staged (contiguous) copy of the blocks."""
     base, block, tok, chan, length = _layout(state)
     size = state.tensor.element_size()
@@ -540,7 +557,7 @@ def _window_segment(state: MambaStateTensor, src_base: int, src_block: int, dst_
         word = _widest_word(src_base, src_block, dst_base, block, chan, size)
         per_token = size // word
         channels, chan_words, tokens, tok_words = dim, chan // word, length * per_token, 1
-        items = [(s, d, shift * per_token) for s, d, shift in items]
+        items = torch.stack([items[0], items[1], items[2] * per_token])
     fields = [src_base, src_block // word, tok_words, chan_words, dst_base, block // word,
               tok_words, chan_words, tokens, channels, 0, 0, 0, MODE_WINDOW]
     return _Segment(fields, items, word, window_tokens=tokens)
@@ -558,29 +575,28 @@ def _launch_copies(segments: list[_Segment], tuning: LaunchTuning, device: torch
         win_t = _pow2_at_least(max((s.window_tokens for s in group), default=1))
         win_c = _pow2_at_most(max(tuning.window_tile_bytes // (win_t * word), 16))
         columns: list[list[int]] = []
-        items: list[tuple[int, ...]] = []
+        items: list[torch.Tensor] = []
         placed: dict[int, int] = {}  # item lists are shared by the states of a group: stored once
-        programs = 0
+        programs = num_items = 0
         for segment in group:
             fields = list(segment.fields)
             for at in (_SRC_BASE.value, _DST_BASE.value):
                 fields[at] = _offset_from(anchor, fields[at], word)
             per_tile = flat_tile if fields[_MODE.value] == MODE_FLAT else win_c
             tiles = max(1, -(-fields[_CHANNELS.value] // per_tile))
+            count = segment.items.shape[1]
             if id(segment.items) not in placed:
-                placed[id(segment.items)] = len(items)
-                items.extend(segment.items)
+                placed[id(segment.items)] = num_items
+                items.append(segment.items.to(device, torch.int64, non_blocking=True))
+                num_items += count
             fields[_ITEM0.value], fields[_TILES.value] = placed[id(segment.items)], tiles
             fields[_PROG0.value] = programs
-            programs += tiles * len(segment.items)
+            programs += tiles * count
             columns.append(fields)
-        num_segments, num_items = len(columns), len(items)
-        packed = torch.tensor(
-            [value for f in range(_NUM_FIELDS) for value in (col[f] for col in columns)]
-            + [i[0] for i in items] + [i[1] for i in items] + [i[2] for i in items],
-            dtype=torch.int64,
-        ).to(device)
-        table, item_table = packed[: _NUM_FIELDS * num_segments], packed[_NUM_FIELDS * num_segments:]
+        num_segments = len(columns)
+        table = _device_ints([value for f in range(_NUM_FIELDS) for value in (col[f] for col in columns)],
+                             device)
+        item_table = torch.cat(items, dim=1).reshape(-1)  # field-major: sources, destinations, shifts
         _state_copy_kernel[(programs,)](
             anchor, table, item_table, num_segments, num_items,
             VEC=vec, SEG_P2=_pow2_at_least(num_segments, 16),
@@ -593,34 +609,34 @@ def _launch_copies(segments: list[_Segment], tuning: LaunchTuning, device: torch
 def _run_moves(jobs: list[tuple[MambaStateTensor, _MovePlan]], tuning: LaunchTuning) -> None:
     """Perform every planned move (see :func:`_plan_moves`): the staging launch, if any, then
     one launch for everything else."""
-    jobs = [(state, plan) for state, plan in jobs if plan.highest >= 0]
+    jobs = [(state, moves) for state, moves in jobs if moves.highest >= 0]
     if not jobs:
         return
     device = jobs[0][0].tensor.device
-    for state, plan in jobs:
+    for state, moves in jobs:
         _check_device(state.tensor, f"state {state.layer or '?'}")
         _check_contiguous_blocks(state)
-        _check_block_ids((plan.lowest, plan.highest), state, "a move")
+        _check_block_ids((moves.lowest, moves.highest), state, "a move")
     pitches = [-(-_block_bytes(state) // 16) * 16 for state, _ in jobs]
-    total = sum(len(plan.staging) * pitch for (_, plan), pitch in zip(jobs, pitches))
+    total = sum(len(moves.staging) * pitch for (_, moves), pitch in zip(jobs, pitches))
     scratch = torch.empty(total, dtype=torch.uint8, device=device) if total else None
     staging: list[_Segment] = []
     main: list[_Segment] = []
     offset = 0
-    for (state, plan), pitch in zip(jobs, pitches):
+    for (state, moves), pitch in zip(jobs, pitches):
         base, block, *_ = _layout(state)
         nbytes = _block_bytes(state)
-        main.append(_flat_segment(base, block, base, block, nbytes, plan.direct_flat))
-        if plan.direct_window:
-            main.append(_window_segment(state, base, block, base, plan.direct_window))
-        if plan.staging:
+        main.append(_flat_segment(base, block, base, block, nbytes, _item_table(moves.direct_flat)))
+        if moves.direct_window:
+            main.append(_window_segment(state, base, block, base, _item_table(moves.direct_window)))
+        if moves.staging:
             assert scratch is not None
             staged = scratch.data_ptr() + offset
-            offset += len(plan.staging) * pitch
-            staging.append(_flat_segment(base, block, staged, pitch, nbytes, plan.staging))
-            main.append(_flat_segment(staged, pitch, base, block, nbytes, plan.staged_flat))
-            if plan.staged_window:
-                main.append(_window_segment(state, staged, pitch, base, plan.staged_window))
+            offset += len(moves.staging) * pitch
+            staging.append(_flat_segment(base, block, staged, pitch, nbytes, _item_table(moves.staging)))
+            main.append(_flat_segment(staged, pitch, base, block, nbytes, _item_table(moves.staged_flat)))
+            if moves.staged_window:
+                main.append(_window_segment(state, staged, pitch, base, _item_table(moves.staged_window)))
     if staging:
         _launch_copies(staging, tuning, device)
     _launch_copies(main, tuning, device)
@@ -641,53 +657,38 @@ def copy_state_blocks(states: Sequence[MambaStateTensor], src_blocks: torch.Tens
     _run_moves([(state, plans[state.group]) for state in states], tuning)
 
 
-def _shifted_moves(states: Sequence[MambaStateTensor], block_tables: Sequence[torch.Tensor],
-                   rows: list[int], src_cols: list[int], dst_cols: list[int],
-                   biases: list[int], tuning: LaunchTuning, what: str) -> None:
-    """Copy (column ``src``, bias ``b``) -> column ``dst`` for the listed request rows."""
-    largest = max(biases, default=0)
+def _run_row_moves(states: Sequence[MambaStateTensor], moves: plan.RowMoves,
+                   tuning: LaunchTuning) -> None:
+    """Perform a :class:`~.plan.RowMoves` plan in one launch: its block ids stay on the device.
+
+    Every row reads blocks of its own request (hookspecs: no request reads a block another one
+    writes), so nothing is staged; an in-place conv shift is memmove-safe in the window kernel.
+    """
+    if not states:
+        return
+    device = states[0].tensor.device
+    items: dict[tuple[int, bool], torch.Tensor] = {}
+    segments = []
     for state in states:
-        if state.kind.is_conv and largest >= state.state_len:
-            row, bias = next((r, b) for r, b in zip(rows, biases) if b >= state.state_len)
-            raise ValueError(
-                f"token bias {bias} of request row {row} is outside [0, {state.state_len}) "
-                f"(conv state_len of layer {state.layer or '?'})"
-            )
-    tables: dict[int, list[list[int]]] = {}
-    plans: dict[tuple[int, bool], _MovePlan] = {}
-    jobs = []
-    for state in states:
+        _check_device(state.tensor, f"state {state.layer or '?'}")
+        _check_contiguous_blocks(state)
         key = (state.group, state.kind.is_conv)
-        if key not in plans:
-            if state.group not in tables:
-                tables[state.group] = _as_host_rows(block_tables[state.group])
-            table = tables[state.group]
-            dst = [table[r][d] for r, d in zip(rows, dst_cols)]
-            _check_unique_destinations(dst, state.group, what)
-            if state.kind.is_conv:
-                plans[key] = _plan_moves([table[r][s] for r, s in zip(rows, src_cols)], dst, biases)
-            else:
-                src = [table[r][s + b] for r, s, b in zip(rows, src_cols, biases)]
-                plans[key] = _plan_moves(src, dst, [0] * len(rows))
-        jobs.append((state, plans[key]))
-    _run_moves(jobs, tuning)
+        if key not in items:
+            shift = moves.shift if state.kind.is_conv else torch.zeros_like(moves.shift)
+            items[key] = torch.stack([*moves.of(state), shift])
+        base, block, *_ = _layout(state)
+        if state.kind.is_conv:
+            segments.append(_window_segment(state, base, block, base, items[key]))
+        else:
+            segments.append(_flat_segment(base, block, base, block, _block_bytes(state), items[key]))
+    _launch_copies(segments, tuning, device)
 
 
 def precopy_running_states(states: Sequence[MambaStateTensor], block_tables: Sequence[torch.Tensor],
                            src_cols: torch.Tensor, dst_cols: torch.Tensor, token_bias: torch.Tensor,
                            tuning: LaunchTuning) -> None:
     """``hb_precopy_running_states``: one launch for every request, layer and group."""
-    rows, srcs, dsts, biases = [], [], [], []
-    for row, (src, dst, bias) in enumerate(
-        zip(_as_host_rows(src_cols), _as_host_rows(dst_cols), _as_host_rows(token_bias))
-    ):
-        if src < 0 or (src == dst and bias == 0):
-            continue
-        rows.append(row)
-        srcs.append(src)
-        dsts.append(dst)
-        biases.append(bias)
-    _shifted_moves(states, block_tables, rows, srcs, dsts, biases, tuning, "precopy")
+    _run_row_moves(states, plan.precopy_moves(block_tables, src_cols, dst_cols, token_bias), tuning)
 
 
 def postprocess_accepted_states(states: Sequence[MambaStateTensor], block_tables: Sequence[torch.Tensor],
@@ -695,27 +696,10 @@ def postprocess_accepted_states(states: Sequence[MambaStateTensor], block_tables
                                 num_accepted: torch.Tensor, block_size: int,
                                 num_accepted_out: torch.Tensor, tuning: LaunchTuning) -> None:
     """``hb_postprocess_accepted_states``: the copies in one launch, then the accepted counts."""
-    rows, srcs, dsts, biases, reset = [], [], [], [], []
-    for row, (src, running, accepted) in enumerate(
-        zip(_as_host_rows(running_cols), _as_host_rows(num_running_tokens), _as_host_rows(num_accepted))
-    ):
-        aligned = (running + accepted - 1) // block_size * block_size
-        if aligned < running:
-            continue
-        bias = aligned - running
-        dst = aligned // block_size - 1
-        if src == dst:
-            reset.append(row)
-            if bias == 0:
-                continue
-        rows.append(row)
-        srcs.append(src)
-        dsts.append(dst)
-        biases.append(bias)
-    _shifted_moves(states, block_tables, rows, srcs, dsts, biases, tuning, "postprocess")
-    if reset:
-        index = torch.tensor(reset, dtype=torch.long).to(num_accepted_out.device)
-        num_accepted_out.index_fill_(0, index, 1)
+    moves, reset = plan.postprocess_moves(block_tables, running_cols, num_running_tokens,
+                                          num_accepted, block_size)
+    _run_row_moves(states, moves, tuning)
+    plan.apply_reset(num_accepted_out, reset)
 
 
 # ---- host side: checkpoint store --------------------------------------------------------------
@@ -739,55 +723,30 @@ def store_checkpoints(states: Sequence[MambaStateTensor], sources: Sequence[torc
     """``hb_store_checkpoints``: one launch per (source dtype, state dtype) pair.
 
     Every read happens before any write: a checkpoint may not start from a block that the same
-    call writes (the reference would read it half-updated, in checkpoint order), and a block is
-    written at most once; both are rejected with an error.
+    call writes, and a block is written at most once (the facade rejects both for host batches).
     """
-    token_end = _as_host_rows(checkpoints.token_end)
-    seq_start = _as_host_rows(checkpoints.seq_start)
-    initial = _as_host_rows(checkpoints.initial_block)
-    dst_blocks = _as_host_rows(checkpoints.dst_block)
-    temporal_rows = _as_host_rows(checkpoints.temporal_row)
-    _check_unique_destinations(dst_blocks, 0, "checkpoint dst_block")
-    written = set(dst_blocks)
-    for k, block in enumerate(initial):
-        if block in written:
-            raise ValueError(
-                f"checkpoint {k} starts from block {block}, which this call also writes; "
-                "initial and destination blocks must differ"
-            )
-    items = [(d, e, s, i, r) for d, e, s, i, r in
-             zip(dst_blocks, token_end, seq_start, initial, temporal_rows)]
+    device = states[0].tensor.device if states else torch.device("cpu")
+    # field-major (dst, end, start, initial, temporal row), read by the kernel on the device;
+    # the values are checked by the facade where they are on the host (plan.check_checkpoints)
+    fields_of = ("dst_block", "token_end", "seq_start", "initial_block", "temporal_row")
+    items = torch.stack([getattr(checkpoints, f).to(device, torch.int64, non_blocking=True)
+                         for f in fields_of])
+    count = items.shape[1]
     segments: list[tuple[tuple[int, int, int, int], _Segment]] = []
     keep_alive: list[torch.Tensor] = []  # contiguous copies of sources, until the launches ran
-    device = states[0].tensor.device if states else torch.device("cpu")
     for state, source in zip(states, sources):
         _check_device(state.tensor, f"state {state.layer or '?'}")
         _check_device(source, f"checkpoint source of {state.layer or '?'}")
         _check_contiguous_blocks(state)
-        _check_block_ids(dst_blocks, state, "checkpoint dst_block")
-        _check_block_ids([i for i in initial if i >= 0], state, "checkpoint initial_block")
         src_kind, dst_kind = _dtype_pair(source, state)
         base, block, tok, chan, length = _layout(state)
         size = state.tensor.element_size()
         if state.kind.is_conv:
-            for k, (end, start) in enumerate(zip(token_end, seq_start)):
-                if not 0 <= start <= end <= source.shape[0]:
-                    raise ValueError(
-                        f"checkpoint {k}: need 0 <= seq_start <= token_end <= {source.shape[0]} "
-                        f"(rows of the conv input of {state.layer or '?'}), got seq_start={start}, "
-                        f"token_end={end}"
-                    )
             # source: the token-major conv input, any strides (row stride in _SRC_BLOCK)
             fields = [source.data_ptr(), source.stride(0), 0, source.stride(1), base, block // size,
                       tok // size, chan // size, length, source.shape[1], 0, 0, 0, MODE_WINDOW]
             segment = _Segment(fields, items, size, window_tokens=length)
         else:
-            for k, r in enumerate(temporal_rows):
-                if not 0 <= r < source.shape[0]:
-                    raise IndexError(
-                        f"checkpoint {k}: temporal_row {r} is outside the {source.shape[0]} rows "
-                        f"of the temporal source of {state.layer or '?'}"
-                    )
             if not source[0].is_contiguous():
                 source = source.contiguous()  # rows must be contiguous; vLLM's already are
                 keep_alive.append(source)
@@ -815,17 +774,13 @@ def store_checkpoints(states: Sequence[MambaStateTensor], sources: Sequence[torc
             per_tile = win_c if fields[_MODE.value] == MODE_WINDOW else flat_block
             tiles = max(1, -(-fields[_CHANNELS.value] // per_tile))
             fields[_ITEM0.value], fields[_TILES.value], fields[_PROG0.value] = 0, tiles, programs
-            programs += tiles * len(items)
+            programs += tiles * count
             columns.append(fields)
-        packed = torch.tensor(
-            [value for f in range(_NUM_FIELDS) for value in (col[f] for col in columns)]
-            + [value for column in zip(*items) for value in column],
-            dtype=torch.int64,
-        ).to(device)
+        table = _device_ints([value for f in range(_NUM_FIELDS) for value in (col[f] for col in columns)],
+                             device)
         num_segments = len(columns)
         _checkpoint_kernel[(programs,)](
-            src_anchor, dst_anchor, packed[: _NUM_FIELDS * num_segments],
-            packed[_NUM_FIELDS * num_segments:], num_segments, len(items),
+            src_anchor, dst_anchor, table, items.reshape(-1), num_segments, count,
             SRC_KIND=src_kind, DST_KIND=dst_kind, VEC_SRC=vec_src, VEC_DST=vec_dst,
             VEC_MASK=max(vec_src, vec_dst), SEG_P2=_pow2_at_least(num_segments, 16),
             WIN_T=win_t, WIN_C=win_c, FLAT_BLOCK=flat_block,

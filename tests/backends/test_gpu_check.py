@@ -1,0 +1,95 @@
+"""``python -m vllm_hybrid_backends.gpu_check``: without vLLM, without a GPU, and its checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_hybrid_backends import gpu_check, reference
+from vllm_hybrid_backends.backends.triton.backend import CUDA
+
+# a finder that makes `import vllm` (and its submodules) fail, as on a machine without vLLM
+BLOCK_VLLM = """
+import importlib.abc, sys
+class _NoVllm(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+        return None
+sys.meta_path.insert(0, _NoVllm())
+"""
+
+
+def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", BLOCK_VLLM + code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_the_check_and_everything_it_imports_work_without_vllm():
+    code = """
+import vllm_hybrid_backends.gpu_check as check
+from vllm_hybrid_backends.backends.triton import kernels  # imports triton, not vLLM
+check._triton_backend()
+try:
+    import vllm
+except ModuleNotFoundError:
+    pass
+else:
+    raise SystemExit("the blocker let vllm through")
+assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")], "vllm imported"
+print("imported")
+"""
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "imported"
+
+
+@pytest.mark.no_device
+def test_without_a_gpu_it_says_so_in_one_line_and_fails():
+    code = "from vllm_hybrid_backends.gpu_check import main; sys.exit(main(['--json']))"
+    result = _run(code, {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""})
+    assert result.returncode == gpu_check.NO_GPU_EXIT
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-check: no CUDA/HIP GPU visible"), result.stderr
+
+
+def test_parity_passes_for_the_triton_kernels_in_the_interpreter(interpreted_kernels):
+    assert gpu_check.check_parity(CUDA, "cpu") == {hook: "ok" for hook in gpu_check.parity_cases("cpu")}
+
+
+class _SkipsPrecopy:
+    """The Triton backend with a precopy that moves nothing."""
+
+    def __getattr__(self, hook):
+        return getattr(CUDA, hook)
+
+    def hb_precopy_running_states(self, **kwargs):
+        return None
+
+
+def test_parity_reports_a_hook_that_differs(interpreted_kernels):
+    results = gpu_check.check_parity(_SkipsPrecopy(), "cpu")
+    assert results["hb_precopy_running_states"].startswith("differs in ")
+    assert results["hb_copy_state_blocks"] == "ok"
+
+
+def test_the_reference_is_poisoned_where_the_cases_do_not_read():
+    # the cases leave NaN in blocks nobody reads: a hook reading one would show NaN in its output
+    states = gpu_check.parity_cases("cpu")["hb_precopy_running_states"](reference)
+    assert any(bool(s.tensor.float().isnan().any()) for s in states)
+
+
+@pytest.mark.cuda
+@pytest.mark.rocm
+def test_on_a_gpu_every_check_passes_and_prints_json(capsys):
+    assert gpu_check.main(["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and set(report["sync"].values()) == {"ok"}
+    assert report["bandwidth"][0]["operation"] == "copy_(same bytes)"
+    assert torch.cuda.is_available()
