@@ -3,7 +3,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-vllm033 lint test test-vllm033 demo fuzz bench docs
+.PHONY: setup setup-vllm033 lint test test-vllm033 test-ascend-contract demo fuzz bench docs
 
 setup:
 	bash scripts/setup_env.sh
@@ -24,6 +24,12 @@ test: setup
 # The harness and the plugin's scheduling patches against vLLM 0.33.0's sources.
 test-vllm033: setup-vllm033
 	$(PY) -m pytest -q tests/replay/test_vllm033.py
+
+# The plugin against the real vllm-ascend 0.23.0 / 0.26.0rc1 sources beside vLLM 0.23.0 / 0.26.0
+# (torch_npu/CANN stood in; sources downloaded once into .venv-matrix).
+test-ascend-contract: setup
+	PY=$(PY) bash scripts/setup_ascend_contract.sh
+	$(PY) -m pytest -q -m ascend_contract tests/ascend_contract
 
 # The main job: which backend runs here, then the agentic workload through vLLM's real scheduler,
 # upstream vs plugin. `python -m vllm_hybrid_backends.demo` runs the real vLLM-CPU engine instead.
