@@ -15,6 +15,7 @@ import random
 
 import pytest
 
+from vllm_hybrid_backends.compat import version_allows
 from vllm_hybrid_backends.testing.engine import EngineError, run_engine
 from vllm_hybrid_backends.testing.model_zoo import ZOO, build_model
 
@@ -69,4 +70,6 @@ def test_mamba2_align_mode_with_the_plugin_matches_no_caching(tmp_path):
     events = [json.loads(line) for line in trace.read_text().splitlines()]
     workers = {e["pid"] for e in events if e["event"] == "worker_side_installed"}
     calls = {(e["hook"], e["backend"]) for e in events if e["event"] == "hook_called" and e["pid"] in workers}
-    assert {("hb_store_checkpoints", "cpu"), ("hb_copy_state_blocks", "cpu")} <= calls, events
+    # vLLM < 0.32 has no Mamba2 prefill checkpoint to store
+    stored = {("hb_store_checkpoints", "cpu")} if version_allows(">=0.32") else set()
+    assert stored | {("hb_copy_state_blocks", "cpu")} <= calls, events

