@@ -31,6 +31,13 @@ TARGET_SYMBOLS = ("PrometheusStatLogger.__init__", "PrometheusStatLogger.record"
 PROCESS = "engine"
 VLLM_VERSIONS = ">=0.30.0,<0.34.0"
 
+
+def not_needed() -> str | None:
+    """Off unless VLLM_HYBRID_STATS is set: then nothing is wrapped at all."""
+    from .. import stats
+
+    return None if stats._flag() else f"{stats.STATS_ENV} is off"
+
 _ORIGINALS: dict[str, Any] = {}
 
 

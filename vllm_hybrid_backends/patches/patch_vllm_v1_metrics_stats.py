@@ -25,6 +25,13 @@ TARGET_MODULE = "vllm.v1.metrics.stats"
 TARGET_SYMBOLS = ("SchedulerStats",)
 PROCESS = "engine"
 VLLM_VERSIONS = ">=0.30.0,<0.34.0"
+
+
+def not_needed() -> str | None:
+    """Off unless VLLM_HYBRID_STATS is set: then nothing is wrapped at all."""
+    from .. import stats
+
+    return None if stats._flag() else f"{stats.STATS_ENV} is off"
 FIELD = "hybrid"
 
 
