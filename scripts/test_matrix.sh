@@ -24,9 +24,9 @@ check_replay() {  # check_replay PYTHON [ENV...]: agentic replay, patches applie
 import json, sys
 report = json.load(sys.stdin)
 up, plugin = report["policies"]["upstream"], report["policies"]["plugin"]
-print(f"  replay agentic on vLLM {report[\"vllm_version\"]}: upstream {up[\"token_hit_rate\"]:.4f}, "
-      f"plugin {plugin[\"token_hit_rate\"]:.4f}, state mismatches {up[\"state_mismatches\"]}/"
-      f"{plugin[\"state_mismatches\"]}")
+print("  replay agentic on vLLM %s: upstream %.4f, plugin %.4f, state mismatches %d/%d" % (
+      report["vllm_version"], up["token_hit_rate"], plugin["token_hit_rate"],
+      up["state_mismatches"], plugin["state_mismatches"]))
 assert plugin["state_mismatches"] == up["state_mismatches"] == 0, "state mismatches"
 assert plugin["token_hit_rate"] > up["token_hit_rate"], "the plugin did not beat upstream: its patches are not on the call path"
 '
@@ -44,8 +44,8 @@ for version in $VERSIONS; do
 import json, sys
 report = json.load(sys.stdin)
 refused = [p for p in report["patches"] if p["state"] == "refused"]
-print(f"  doctor: vllm_supported={report[\"vllm_supported\"]}, "
-      + ", ".join(f"{p[\"patch\"]}: {p[\"state\"]}" for p in report["patches"] if p["state"] != "ready"))
+print("  doctor: vllm_supported=%s, %s" % (report["vllm_supported"], ", ".join(
+      "%s: %s" % (p["patch"], p["state"]) for p in report["patches"] if p["state"] != "ready")))
 assert report["vllm_supported"] and not refused, refused
 ' || { failed+=("$version doctor"); continue; }
             check_replay "$py" || failed+=("$version replay")

@@ -21,14 +21,19 @@ def registration(monkeypatch):
     return calls, warnings
 
 
+@pytest.mark.parametrize("seam", [True, False], ids=["worker-hook", "no-worker-hook"])
 @pytest.mark.parametrize("version", ["0.30.0", "0.31.1", "0.32.0", "0.32.0+cpu", "0.33.0",
                                      "0.33.4.dev12"])
-def test_supported_versions_apply_the_engine_patches_once(registration, monkeypatch, version):
+def test_supported_versions_apply_the_engine_patches_once(registration, monkeypatch, version, seam):
+    from vllm_hybrid_backends.patches import patch_vllm_platforms
+
     calls, warnings = registration
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: version)
+    monkeypatch.setattr(patch_vllm_platforms, "has_worker_seam", lambda: seam)
     vllm_hybrid_backends.register()
     vllm_hybrid_backends.register()
-    assert calls == ["engine"]
+    # Without the platform's worker-side hook (vLLM 0.30) register() installs the worker patches too.
+    assert calls == (["engine"] if seam else ["engine", "worker"])
     assert warnings == []
 
 

@@ -43,7 +43,7 @@ def _platform_class() -> Any:
 
 
 def has_worker_seam() -> bool:
-    """Whether this vLLM has the post-platform worker hook and the kernel dispatcher (0.32+)."""
+    """Whether this vLLM has the post-platform worker hook and the kernel dispatcher (0.31+)."""
     try:
         cls = _platform_class()
         from vllm.triton_utils import dispatcher  # noqa: F401
