@@ -288,12 +288,18 @@ def test_the_engine_plans_interior_blocks_for_mamba2_on_vllm_cpu(monkeypatch):
     from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
 
     monkeypatch.setattr(coordinator, "interior_override", None)
+    # as on vLLM-CPU 0.32+ with every worker patch applying (the kind rule is what is tested)
+    monkeypatch.setattr(coordinator, "_cpu_platform", lambda: True)
+    monkeypatch.setattr(coordinator, "_worker_patches_apply", lambda: True)
+    monkeypatch.setattr(coordinator, "_INTERIOR_VERIFIED", True)
     # MambaMixer2's spec carries vLLM's prefill checkpoint block; the interior blocks go beside it
     assert coordinator.stores_interior(_spec("MAMBA2", 1))
     assert coordinator.stores_interior(_spec("GDN_ATTN", 0))
     assert not coordinator.stores_interior(_spec("MAMBA2", 1, spec_blocks=2))
     assert not coordinator.stores_interior(_spec("MAMBA1", 0))  # no forward stores them
     assert not coordinator.stores_interior(_spec("GDN_ATTN", 1))
+    monkeypatch.setattr(coordinator, "_cpu_platform", lambda: False)  # e.g. CUDA, Ascend
+    assert not coordinator.stores_interior(_spec("MAMBA2", 1))
     # the replay's fake model stores interior states only for groups without vLLM's checkpoint
     monkeypatch.setattr(coordinator, "interior_override", True)
     assert not coordinator.stores_interior(_spec("MAMBA2", 1))

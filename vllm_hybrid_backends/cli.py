@@ -106,7 +106,7 @@ def _patch_statuses(version: str | None) -> list[dict[str, str]]:
 
 
 #: Mamba layer kinds (vLLM's ``MambaAttentionBackendEnum`` names) and whether vLLM's own
-#: layer exports a prefill checkpoint from inside the forward (Mamba2 does).
+#: layer exports a prefill checkpoint from inside the forward (Mamba2 does, from vLLM 0.32).
 MAMBA_KINDS = (("GDN_ATTN", False), ("MAMBA2", True), ("MAMBA1", False), ("SHORT_CONV", False))
 
 
@@ -126,8 +126,10 @@ def tail_state_paths(version: str | None) -> list[dict[str, Any]]:
     except ValueError as exc:
         return [{"kind": kind, "inside_chunk": False, "how": str(exc)} for kind, _ in MAMBA_KINDS]
     platform = _vllm_platform()
+    has_checkpoint = importlib.util.find_spec("vllm.model_executor.layers.mamba.checkpoint")
     rows = []
     for kind, vllm_checkpoint in MAMBA_KINDS:
+        vllm_checkpoint = vllm_checkpoint and has_checkpoint is not None  # Mamba2 from 0.32
         spec = types.SimpleNamespace(mamba_cache_mode="align", num_speculative_blocks=0,
                                      num_prefill_checkpoint_blocks=int(vllm_checkpoint),
                                      mamba_type=types.SimpleNamespace(name=kind))
@@ -147,7 +149,8 @@ def tail_state_paths(version: str | None) -> list[dict[str, Any]]:
             how = (f"{fallback}: on {platform} the forward does not store states inside the "
                    "chunk yet (vLLM-CPU only)")
         else:
-            how = f"{fallback}: the worker patches that store them do not apply to vLLM {version}"
+            how = (f"{fallback}: not stored inside the chunk on vLLM {version} (verified on "
+                   "0.32+, with every worker patch applying)")
         rows.append({"kind": kind, "inside_chunk": bool(inside), "how": how})
     return rows
 

@@ -20,11 +20,15 @@ import re
 import pytest
 
 from vllm_hybrid_backends import align
+from vllm_hybrid_backends.compat import version_allows
 from vllm_hybrid_backends.testing.compare import assert_same_greedy
 from vllm_hybrid_backends.testing.engine import run_engine
 from vllm_hybrid_backends.testing.model_zoo import ZOO, build_model
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.skipif(not version_allows(">=0.32"), reason=(
+                  "the CPU forward stores states inside the chunk from vLLM 0.32 on; before, "
+                  "tail states cost chunk splits"))]
 
 ENGINE = {"max_model_len": 4096, "kv_cache_memory_bytes": 512 * 1024 * 1024}
 MAX_TOKENS = 8
