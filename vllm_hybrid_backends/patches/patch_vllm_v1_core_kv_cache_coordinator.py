@@ -377,10 +377,15 @@ def free(self: Any, request_id: str) -> None:
 
 
 #: Mamba layer kinds (vLLM's ``MambaAttentionBackendEnum`` names) whose forward on vLLM-CPU
-#: stores interior states through this plugin's worker patches.
-CPU_INTERIOR_KINDS = frozenset({"GDN_ATTN"})
-#: Set by the replay harness, whose fake model stores interior states for every kind; None
-#: means "decide from the platform".
+#: stores interior states through this plugin's worker patches: the gated delta net
+#: (``patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention``) and Mamba2, from the SSD
+#: scan's chunk states beside vLLM's own prefill checkpoint
+#: (``patch_vllm_v1_attention_backends_mamba2_attn``).
+CPU_INTERIOR_KINDS = frozenset({"GDN_ATTN", "MAMBA2"})
+#: Kinds whose groups carry vLLM's prefill checkpoint block and still take interior blocks.
+_INTERIOR_BESIDE_PREFILL_CHECKPOINT = frozenset({"MAMBA2"})
+#: Set by the replay harness, whose fake model stores interior states for every kind without
+#: vLLM's prefill checkpoint; None means "decide from the platform".
 interior_override: bool | None = None
 _worker_patches_checked: list[bool] = []
 #: The CPU GDN forward's interior stores are verified on vLLM 0.32+ only (on vllm-cpu 0.30 the
@@ -391,12 +396,14 @@ _INTERIOR_VERIFIED = version_allows(">=0.32")
 
 def stores_interior(spec: Any) -> bool:
     """Whether the forward of this Mamba group's layers stores states inside a prefill chunk."""
-    if (getattr(spec, "mamba_cache_mode", None) != "align" or spec.num_speculative_blocks
-            or spec.num_prefill_checkpoint_blocks):
+    if getattr(spec, "mamba_cache_mode", None) != "align" or spec.num_speculative_blocks:
+        return False
+    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+    if spec.num_prefill_checkpoint_blocks and (interior_override is not None
+                                               or kind not in _INTERIOR_BESIDE_PREFILL_CHECKPOINT):
         return False
     if interior_override is not None:
         return interior_override
-    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
     return (kind in CPU_INTERIOR_KINDS and _INTERIOR_VERIFIED and _cpu_platform()
             and _worker_patches_apply())
 
