@@ -323,6 +323,13 @@ def _ids(queue):
     return out
 
 
+@pytest.fixture(autouse=True)
+def _fresh_probation():
+    # no monkeypatch here: it would be torn down after scheduler_patched's revert
+    coordinator_patch._PROBATION.clear()
+    coordinator_patch._probation_last.clear()
+
+
 def _block(block_id, hashed):
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -370,14 +377,35 @@ def test_kept_states_handed_back_mid_run_go_on_probation_once_every_group_is_fre
 def test_a_reused_or_proven_state_keeps_its_lru_place(monkeypatch):
     ledger = align.RetentionLedger()
     monkeypatch.setattr(coordinator_patch, "LEDGER", ledger)
-    old, state = _block(1, True), _block(5, True)
-    state.ref_cnt = 0
-    queue = _queue_with([old, state])
+    spare, old, state, sibling = _block(0, False), _block(1, True), _block(5, True), _block(6, True)
+    state.ref_cnt = sibling.ref_cnt = 0
+    queue = _queue_with([spare, old, state, sibling])
     ledger.record_kept("tail-4", 5, state.block_hash)
     ledger.record_hit(5, state.block_hash)
-    monkeypatch.setitem(coordinator_patch._KEPT_STATES, "r", {5: (state, state.block_hash, [state])})
+    ledger.record_kept("decode", 6, sibling.block_hash)  # never hit, its kind unproven
+    monkeypatch.setitem(coordinator_patch._KEPT_STATES, "r", {
+        5: (state, state.block_hash, [state]), 6: (sibling, sibling.block_hash, [sibling])})
     coordinator_patch._release_probation(types.SimpleNamespace(free_block_queue=queue), "r", finished=True)
-    assert _ids(queue) == [1, 5] and "r" not in coordinator_patch._KEPT_STATES
+    assert _ids(queue) == [0, 6, 1, 5] and "r" not in coordinator_patch._KEPT_STATES
+    for block in range(align.RETENTION_WARMUP):  # decode states get reused: proven
+        ledger.record_kept("decode", 100 + block, ("h", block))
+        ledger.record_hit(100 + block, ("h", block))
+    assert ledger.proven("decode") and not ledger.on_probation(6, sibling.block_hash)
+
+
+def test_probation_is_first_in_first_out(monkeypatch):
+    blocks = [_block(0, False), _block(1, True), _block(7, True), _block(8, True), _block(9, True)]
+    queue = _queue_with(blocks)
+    coordinator_patch._evict_first_among_cached(queue, [blocks[2]])
+    coordinator_patch._evict_first_among_cached(queue, [blocks[3]])
+    coordinator_patch._evict_first_among_cached(queue, [blocks[4]])
+    assert _ids(queue) == [0, 7, 8, 9, 1]  # the oldest state on probation is evicted first
+    # one leaves the queue (a hit touched it): the next still queues behind the newest
+    queue.remove(blocks[4])
+    late = _block(10, True)
+    queue.append_n([late])
+    coordinator_patch._evict_first_among_cached(queue, [late])
+    assert _ids(queue) == [0, 7, 8, 10, 1]
 
 
 def test_interior_checkpoints_read_real_blocks_the_chunk_crosses():

@@ -488,6 +488,10 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
     return count
 
 
+def _on_probation(block: Any) -> bool:
+    return block.block_hash is not None and _PROBATION.get(block.block_id) == block.block_hash
+
+
 def allocate_new_blocks(self: Any, request_id: str, num_tokens: int, num_tokens_main_model: int,
                         num_encoder_tokens: int = 0) -> Any:
     planned = []
@@ -518,30 +522,49 @@ def allocate_new_blocks(self: Any, request_id: str, num_tokens: int, num_tokens_
 #: How far past the uncached free blocks to look for the oldest cached one; beyond it the pool
 #: has that many uncached blocks free, nothing is under pressure and LRU order is kept.
 PROBATION_SCAN = 64
+#: block id -> hash of the blocks this process put on probation in vLLM's free queue; a block
+#: is still there while its hash matches and it is free.
+_PROBATION: dict[int, Any] = {}
+#: The newest block of the probation segment (new ones queue behind it: the oldest goes first).
+_probation_last: list[Any] = []
 
 
 def _evict_first_among_cached(queue: Any, blocks: list[Any]) -> None:
-    """Move freed ``blocks`` from the LRU end of vLLM's free queue to just before its oldest
-    cached block: after the uncached free blocks (reused first anyway), before every cached one."""
+    """Move freed ``blocks`` from the LRU end of vLLM's free queue to the probation segment:
+    after the uncached free blocks (reused first anyway) and the states already on probation
+    (oldest first), before every block vLLM itself keeps cached."""
     blocks = [b for b in blocks if b.ref_cnt == 0 and b.prev_free_block is not None]
     if not blocks:
         return
-    anchor = queue.fake_free_list_head
-    for _ in range(PROBATION_SCAN):
-        following = anchor.next_free_block
-        if following is queue.fake_free_list_tail or following.block_hash is not None:
-            break
-        anchor = following
+    last = _probation_last[0] if _probation_last else None
+    if (last is not None and last.ref_cnt == 0 and last.prev_free_block is not None
+            and _on_probation(last) and all(last is not b for b in blocks)):
+        anchor = last
     else:
-        return  # plenty of uncached blocks free: no pressure, LRU order stays
+        anchor = queue.fake_free_list_head
+        for _ in range(PROBATION_SCAN):
+            following = anchor.next_free_block
+            if following is queue.fake_free_list_tail or following.block_hash is not None:
+                break
+            anchor = following
+        else:
+            return  # plenty of uncached blocks free: no pressure, LRU order stays
+        for _ in range(len(_PROBATION)):  # the newest left the queue: find the segment's end
+            following = anchor.next_free_block
+            if following is queue.fake_free_list_tail or not _on_probation(following) \
+                    or any(following is b for b in blocks):
+                break
+            anchor = following
     for block in blocks:
         queue.remove(block)
+        _PROBATION[block.block_id] = block.block_hash
     following = anchor.next_free_block
     for block in blocks:
         anchor.next_free_block, block.prev_free_block = block, anchor
         anchor = block
     anchor.next_free_block, following.prev_free_block = following, anchor
     queue.num_free_blocks += len(blocks)
+    _probation_last[:] = [anchor]
 
 
 def _coordinator_classes(module: Any) -> list[type]:
@@ -566,6 +589,8 @@ def apply() -> None:
     if module.HybridKVCacheCoordinator.find_longest_cache_hit is not find_longest_cache_hit:
         LEDGER = align.RetentionLedger()
         _KEPT_STATES.clear()
+        _PROBATION.clear()
+        _probation_last.clear()
         _ORIGINALS["HybridKVCacheCoordinator.find_longest_cache_hit"] = (
             module.HybridKVCacheCoordinator.find_longest_cache_hit)
         module.HybridKVCacheCoordinator.find_longest_cache_hit = find_longest_cache_hit

@@ -295,7 +295,8 @@ def production_lines(seed: int = 0, sessions: int = 60, unit: int = DEFAULT_HASH
 
     systems = [(fresh(k), k * unit - rng.randint(1, unit - 1)) for k in (2, 3, 5, 8)]
     popularity = [0.45, 0.3, 0.15, 0.1]
-    lines, start = [], 0.0
+    lines: list[dict[str, Any]] = []
+    start = 0.0
     for _ in range(sessions):
         start += rng.expovariate(rate)
         system_ids, system_len = rng.choices(systems, popularity)[0]
