@@ -170,6 +170,12 @@ class EngineSetup:
     #: Bytes of the block pool (what the workers would allocate for the KV cache).
     pool_bytes: int = 0
 
+    @property
+    def hit_alignment(self) -> int:
+        """Tokens a prefix-cache hit is a multiple of: the hash unit with sub-block hits."""
+        alignment = getattr(self.kv_cache_config, "cache_hit_alignment_tokens", None)
+        return int(alignment or self.scheduler_block_size)
+
     def group_block_size(self, group_id: int) -> int:
         return int(self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec.block_size)
 
