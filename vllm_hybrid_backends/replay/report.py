@@ -227,7 +227,8 @@ def plot_capacity_sweep(trace: Trace, config: ReplayConfig, policies: Sequence[s
     ax.set_xscale("log", base=2)
     ax.set_xlabel("KV cache capacity (tokens)")
     ax.set_ylabel("token hit rate (%)")
-    ax.set_title(f"{trace.name} on {config.resolved_shape().name}, block {block}")
+    unit = f", prefix match unit {config.prefix_match_unit}" if config.prefix_match_unit else ""
+    ax.set_title(f"{trace.name} on {config.resolved_shape().name}, block {block}{unit}")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
