@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from vllm_hybrid_backends.cli import main
+from vllm_hybrid_backends.replay.engine_config import vllm_has_prefix_match_unit
 from vllm_hybrid_backends.replay.harness import ReplayConfig
 from vllm_hybrid_backends.replay.report import PLOT_INSTALL_HINT, plot_capacity_sweep
 from vllm_hybrid_backends.replay.shapes import tiny_shape
@@ -125,6 +126,8 @@ def test_timing_repeats_report_each_policys_lowest_median_step(monkeypatch):
     pytest.param("-8", "--prefix-match-unit must be a positive integer or 'best', got '-8'",
                  id="negative"),
 ])
+@pytest.mark.skipif(not vllm_has_prefix_match_unit(),
+                    reason="this vLLM has no CacheConfig.prefix_match_unit (added in 0.32)")
 def test_bad_prefix_match_units_are_refused(value, message, capsys):
     assert main(["replay", "--workload", "short", f"--prefix-match-unit={value}"]) == 2
     assert message in capsys.readouterr().err
@@ -146,6 +149,8 @@ def _conversation_trace(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not vllm_has_prefix_match_unit(),
+                    reason="this vLLM has no CacheConfig.prefix_match_unit (added in 0.32)")
 def test_replay_best_prefix_match_unit_reports_the_sweep(tmp_path, capsys):
     path = _conversation_trace(tmp_path)
     status = main(["replay", "--trace", str(path), "--hash-block-size", "256", "--limit", "5",
@@ -175,6 +180,15 @@ def test_replay_reads_a_hash_block_trace(tmp_path, capsys):
     assert upstream["state_mismatches"] == plugin["state_mismatches"] == 0
     assert plugin["token_hit_rate"] >= upstream["token_hit_rate"]
     assert plugin["bound_hit_rate"] > 0
+
+
+def test_prefix_match_unit_on_an_older_vllm_names_the_version(monkeypatch, capsys):
+    from vllm_hybrid_backends.replay import engine_config
+
+    monkeypatch.setattr(engine_config, "vllm_has_prefix_match_unit", lambda: False)
+    assert main(["replay", "--workload", "short", "--prefix-match-unit", "16"]) == 2
+    assert "--prefix-match-unit needs vLLM's CacheConfig.prefix_match_unit (0.32+); this " \
+        "vLLM is" in capsys.readouterr().err
 
 
 def test_trace_flags_need_a_trace(capsys):

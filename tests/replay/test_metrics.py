@@ -6,12 +6,19 @@ import random
 
 import pytest
 
+from vllm_hybrid_backends.replay import engine_config
+from vllm_hybrid_backends.replay.engine_config import ReplayVersionError
 from vllm_hybrid_backends.replay.harness import ReplayConfig, ReplayError, run_replay
 from vllm_hybrid_backends.replay.metrics import ideal_hits, policy_metrics
 from vllm_hybrid_backends.replay.policy import get_policy
 from vllm_hybrid_backends.replay.report import sweep_prefix_match_units
 from vllm_hybrid_backends.replay.shapes import tiny_shape
 from vllm_hybrid_backends.replay.workloads import Trace, TraceRequest
+
+#: sub-block hits (``prefix_match_unit``) exist from vLLM 0.32 on
+needs_prefix_match_unit = pytest.mark.skipif(
+    not engine_config.vllm_has_prefix_match_unit(),
+    reason="this vLLM has no CacheConfig.prefix_match_unit (added in 0.32)")
 
 
 def _brute_force_ideal(trace: Trace) -> dict[str, int]:
@@ -86,7 +93,8 @@ def _metrics(trace: Trace, config: ReplayConfig, policy: str = "upstream"):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["upstream", "plugin"])
-@pytest.mark.parametrize("unit", [None, 4], ids=["block-grid", "unit-4"])
+@pytest.mark.parametrize("unit", [None, pytest.param(4, marks=needs_prefix_match_unit)],
+                         ids=["block-grid", "unit-4"])
 def test_gap_to_ideal_parts_add_up_to_ideal_minus_hit(policy, unit):
     trace = _branching_trace()
     config = _tiny(cache_tokens=8 * 26, prefix_match_unit=unit)
@@ -104,6 +112,7 @@ def test_gap_to_ideal_parts_add_up_to_ideal_minus_hit(policy, unit):
 
 
 @pytest.mark.slow
+@needs_prefix_match_unit
 def test_a_sub_block_unit_runs_the_bound_at_that_unit_and_hits_inside_blocks():
     trace = _branching_trace()
     hybrid, bound, metrics = _metrics(trace, _tiny(prefix_match_unit=4))
@@ -126,6 +135,7 @@ def test_a_unit_that_does_not_divide_the_block_is_refused_naming_the_allowed_one
 
 
 @pytest.mark.slow
+@needs_prefix_match_unit
 def test_best_unit_sweep_reports_each_policy_at_its_best_unit():
     trace = _branching_trace()
     config = _tiny(block_size=16)
@@ -137,3 +147,10 @@ def test_best_unit_sweep_reports_each_policy_at_its_best_unit():
         assert report.unit_sweep[name][metrics.prefix_match_unit] == best
     alone = _metrics(trace, _tiny(block_size=16, prefix_match_unit=4))[2]
     assert report.unit_sweep["upstream"][4] == alone.token_hit_rate
+
+
+def test_a_unit_on_a_vllm_without_prefix_match_unit_is_refused(monkeypatch):
+    monkeypatch.setattr(engine_config, "vllm_has_prefix_match_unit", lambda: False)
+    with pytest.raises(ReplayVersionError, match=r"prefix_match_unit=4: vLLM .* has no "
+                       r"CacheConfig.prefix_match_unit \(sub-block hits need vLLM 0.32\+\)"):
+        run_replay(_branching_trace(), _tiny(prefix_match_unit=4), get_policy("upstream"))

@@ -83,14 +83,6 @@ def _reexec_with_vllm_path(argv: list[str]) -> int | None:
                            env=env)
 
 
-def _vllm_has_prefix_match_unit() -> bool:
-    import dataclasses
-
-    from vllm.config import CacheConfig
-
-    return any(f.name == "prefix_match_unit" for f in dataclasses.fields(CacheConfig))
-
-
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     status = _reexec_with_vllm_path(argv)
     if status is not None:
@@ -124,11 +116,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             print("error: --prefix-match-unit must be a positive integer or 'best', got "
                   f"{args.prefix_match_unit!r}", file=sys.stderr)
             return 2
-    if args.prefix_match_unit is not None and not _vllm_has_prefix_match_unit():
+    from .engine_config import vllm_has_prefix_match_unit
+
+    if args.prefix_match_unit is not None and not vllm_has_prefix_match_unit():
         from ..compat import installed_vllm_version
 
-        print(f"error: --prefix-match-unit needs vLLM's prefix_match_unit (0.32+); this vLLM "
-              f"is {installed_vllm_version()}", file=sys.stderr)
+        print(f"error: --prefix-match-unit needs vLLM's CacheConfig.prefix_match_unit (0.32+); "
+              f"this vLLM is {installed_vllm_version()}", file=sys.stderr)
         return 2
     if not args.time_scale > 0 or args.time_scale == float("inf"):
         print(f"error: --time-scale must be a finite number > 0, got {args.time_scale}",

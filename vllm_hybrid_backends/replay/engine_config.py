@@ -22,7 +22,8 @@ from typing import Any
 from .shapes import ModelShape
 
 __all__ = ["EngineSetup", "KVLayout", "ReplayVersionError", "build_engine_setup",
-           "vllm_config_for"]
+           "vllm_config_for", "vllm_has_prefix_match_unit"]
+
 
 class ReplayVersionError(RuntimeError):
     """The installed vLLM lacks a function the harness needs."""
@@ -208,6 +209,15 @@ def _layer_specs(shape: ModelShape, layout: KVLayout) -> dict[str, Any]:
     return specs
 
 
+def vllm_has_prefix_match_unit() -> bool:
+    """vLLM 0.32+ has ``CacheConfig.prefix_match_unit`` (sub-block prefix hits)."""
+    import dataclasses
+
+    from vllm.config import CacheConfig
+
+    return any(f.name == "prefix_match_unit" for f in dataclasses.fields(CacheConfig))
+
+
 def _vllm_has_mamba2_checkpoint() -> bool:
     """vLLM 0.32+ exports Mamba2's state inside a prefill chunk; 0.30/0.31 do not."""
     import importlib.util
@@ -256,7 +266,13 @@ def build_engine_setup(
     cache.mamba_block_size = layout.mamba_block_size or layout.block_size
     cache.mamba_page_size_padded = layout.mamba_page_padded
     cache.num_gpu_blocks_override = layout.num_blocks
-    cache.prefix_match_unit = layout.prefix_match_unit
+    if layout.prefix_match_unit is not None and not vllm_has_prefix_match_unit():
+        from ..compat import installed_vllm_version
+
+        raise ReplayVersionError(
+            f"prefix_match_unit={layout.prefix_match_unit}: vLLM {installed_vllm_version()} "
+            "has no CacheConfig.prefix_match_unit (sub-block hits need vLLM 0.32+)")
+    cache.prefix_match_unit = layout.prefix_match_unit  # also resets the shared config's
     sched.max_num_batched_tokens = max_num_batched_tokens
     if getattr(sched, "max_num_scheduled_tokens", None) is not None:
         sched.max_num_scheduled_tokens = max_num_batched_tokens
