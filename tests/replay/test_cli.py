@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from vllm_hybrid_backends.cli import main
+from vllm_hybrid_backends.replay.engine_config import vllm_has_prefix_match_unit
 from vllm_hybrid_backends.replay.harness import ReplayConfig
 from vllm_hybrid_backends.replay.report import PLOT_INSTALL_HINT, plot_capacity_sweep
 from vllm_hybrid_backends.replay.shapes import tiny_shape
@@ -76,8 +77,12 @@ def test_plot_writes_hit_rate_against_cache_capacity(tmp_path):
                           max_num_batched_tokens=32)
     points = plot_capacity_sweep(_tiny_trace(), config, ["upstream", "plugin"], str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert [tokens for tokens, _, _ in points] == sorted(tokens for tokens, _, _ in points)
-    assert all(set(rates) == {"upstream", "plugin"} for _, rates, _ in points)
+    assert [p.cache_tokens for p in points] == sorted(p.cache_tokens for p in points)
+    assert all(set(p.token_hit_rate) == {"upstream", "plugin"} for p in points)
+    # the ideal does not depend on capacity here (one admission order) and tops everything
+    assert len({p.ideal_hit_rate for p in points}) == 1
+    assert all(max(*p.token_hit_rate.values(), p.bound_hit_rate) <= p.ideal_hit_rate
+               for p in points)
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
@@ -112,8 +117,23 @@ def test_timing_repeats_report_each_policys_lowest_median_step(monkeypatch):
         report_module.compare_policies(_tiny_trace(), config, ["upstream"], timing_repeats=0)
 
 
-@pytest.mark.slow
-def test_replay_reads_a_hash_block_trace(tmp_path, capsys):
+@pytest.mark.parametrize(("value", "message"), [
+    pytest.param("100", "--prefix-match-unit 100: vLLM needs a divisor of every KV-cache group's "
+                 "block size (544 here); allowed: 1, 2, 4, 8, 16, 17, 32, 34, 68, 136, 272, 544",
+                 id="not-a-divisor"),
+    pytest.param("fine", "--prefix-match-unit must be a positive integer or 'best', got 'fine'",
+                 id="not-a-number"),
+    pytest.param("-8", "--prefix-match-unit must be a positive integer or 'best', got '-8'",
+                 id="negative"),
+])
+@pytest.mark.skipif(not vllm_has_prefix_match_unit(),
+                    reason="this vLLM has no CacheConfig.prefix_match_unit (added in 0.32)")
+def test_bad_prefix_match_units_are_refused(value, message, capsys):
+    assert main(["replay", "--workload", "short", f"--prefix-match-unit={value}"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def _conversation_trace(tmp_path):
     # Conversations in the Mooncake format: each turn repeats the previous turn's units.
     lines, stamp = [], 0
     for conversation in range(3):
@@ -125,6 +145,31 @@ def test_replay_reads_a_hash_block_trace(tmp_path, capsys):
                           "output_length": 8, "hash_ids": units})
     path = tmp_path / "conversations.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_has_prefix_match_unit(),
+                    reason="this vLLM has no CacheConfig.prefix_match_unit (added in 0.32)")
+def test_replay_best_prefix_match_unit_reports_the_sweep(tmp_path, capsys):
+    path = _conversation_trace(tmp_path)
+    status = main(["replay", "--trace", str(path), "--hash-block-size", "256", "--limit", "5",
+                   "--prefix-match-unit", "best", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0
+    for name, metrics in report["policies"].items():
+        sweep = report["prefix_match_unit_sweep"][name]
+        assert list(sweep) == ["544", "272", "136", "68", "34", "32", "17", "16"]
+        assert metrics["token_hit_rate"] == max(sweep.values())
+        assert sweep[str(metrics["prefix_match_unit"])] == metrics["token_hit_rate"]
+        assert sum(metrics["gap_to_ideal"].values()) == sum(metrics["miss_reasons"].values())
+    # 236-token prompt tails past the 256-token units: some unit below the block hits more
+    assert report["policies"]["upstream"]["prefix_match_unit"] < 544
+
+
+@pytest.mark.slow
+def test_replay_reads_a_hash_block_trace(tmp_path, capsys):
+    path = _conversation_trace(tmp_path)
     status = main(["replay", "--trace", str(path), "--hash-block-size", "256", "--limit", "8",
                    "--time-scale", "2", "--json"])
     report = json.loads(capsys.readouterr().out)
@@ -135,6 +180,15 @@ def test_replay_reads_a_hash_block_trace(tmp_path, capsys):
     assert upstream["state_mismatches"] == plugin["state_mismatches"] == 0
     assert plugin["token_hit_rate"] >= upstream["token_hit_rate"]
     assert plugin["bound_hit_rate"] > 0
+
+
+def test_prefix_match_unit_on_an_older_vllm_names_the_version(monkeypatch, capsys):
+    from vllm_hybrid_backends.replay import engine_config
+
+    monkeypatch.setattr(engine_config, "vllm_has_prefix_match_unit", lambda: False)
+    assert main(["replay", "--workload", "short", "--prefix-match-unit", "16"]) == 2
+    assert "--prefix-match-unit needs vLLM's CacheConfig.prefix_match_unit (0.32+); this " \
+        "vLLM is" in capsys.readouterr().err
 
 
 def test_trace_flags_need_a_trace(capsys):

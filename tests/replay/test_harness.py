@@ -195,6 +195,52 @@ def test_preemption_under_a_tiny_cache_keeps_states_exact():
     assert result.mismatches == [] and result.blocks_leaked == 0
 
 
+def test_recomputed_tokens_after_preemption_match_the_scheduler_outputs(monkeypatch):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    # Distinct prompts (no sharing between requests) in a pool too small for all four.
+    trace = Trace("tight", [TraceRequest(f"r{i}", [1000 * (i + 1) + t for t in range(64)],
+                                         [5] * 12) for i in range(4)])
+    outputs = []
+    original = Scheduler.schedule
+
+    def recording(self):
+        out = original(self)
+        outputs.append((out, {r: self.requests[r].num_prompt_tokens
+                              for r in out.num_scheduled_tokens}))
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", recording)
+    result = run_replay(trace, _tiny(cache_tokens=8 * 24, max_num_batched_tokens=32),
+                        get_policy("upstream"))
+    assert result.preemptions > 0 and result.mismatches == []
+    # Independently, from the scheduler outputs alone: every position a request is scheduled to
+    # compute that it had already computed (or been served from the cache) before.
+    had: dict[str, set[int]] = {}
+    recomputed = recomputed_prompt = 0
+    preempted: set[str] = set()
+    for out, prompt_lens in outputs:
+        starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+        starts.update(zip(out.scheduled_cached_reqs.req_ids,
+                          out.scheduled_cached_reqs.num_computed_tokens))
+        for rid, n in out.num_scheduled_tokens.items():
+            positions = had.setdefault(rid, set())
+            positions.update(range(starts[rid]))
+            again = positions.intersection(range(starts[rid], starts[rid] + n))
+            if again:
+                assert rid in preempted  # only a preempted request recomputes
+            recomputed += len(again)
+            recomputed_prompt += sum(1 for p in again if p < prompt_lens[rid])
+            positions.update(range(starts[rid], starts[rid] + n))
+        preempted.update(out.preempted_req_ids or ())
+    assert recomputed_prompt > 0
+    assert (result.recomputed_tokens, result.recomputed_prompt_tokens) == (
+        recomputed, recomputed_prompt)
+    # nothing is shared, so every prompt token is computed once past the first hit, plus again
+    assert result.prefill_tokens_computed == sum(
+        r.prompt_len - r.hit_tokens for r in result.requests.values()) + recomputed_prompt
+
+
 def test_an_evicted_mamba_state_is_counted_and_attributed_as_evicted():
     # "a" caches a state at its prompt boundary (40); three unrelated prompts then pass
     # through a pool too small to keep it; "b" resends a's prompt and finds the state gone.

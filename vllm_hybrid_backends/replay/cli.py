@@ -50,6 +50,12 @@ def add_parser(commands: Any) -> None:
                              "Mamba state (default: vLLM's derivation with CUDA kernel blocks)")
     parser.add_argument("--cache-tokens", type=int, metavar="N", default=DEFAULT_CACHE_TOKENS,
                         help=f"KV cache capacity in tokens (default {DEFAULT_CACHE_TOKENS:,})")
+    parser.add_argument("--prefix-match-unit", metavar="N|best", default=None,
+                        help="vLLM's prefix_match_unit: prefix hits at N-token boundaries "
+                             "inside a block (N must divide the block size); the "
+                             "attention-only bound runs at the same unit. 'best': replay every "
+                             "allowed unit of at least 16 tokens and report each policy at "
+                             "its best (default: off, hits on the block grid)")
     parser.add_argument("--policy", choices=("upstream", "plugin", "both"), default="both",
                         help="upstream = installed vLLM, plugin off; plugin = with the "
                              "plugin's scheduler-process patches (default: both)")
@@ -85,7 +91,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from .harness import ReplayConfig, ReplayError
-    from .report import compare_policies, plot_capacity_sweep, render_table
+    from .report import (
+        compare_policies,
+        plot_capacity_sweep,
+        render_table,
+        sweep_prefix_match_units,
+        sweep_units,
+    )
     from .workloads import DEFAULT_HASH_BLOCK_SIZE, TraceError, load_trace, make_workload
 
     for name, value in (("--block-size", args.block_size), ("--cache-tokens", args.cache_tokens),
@@ -94,6 +106,24 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if value is not None and value <= 0:
             print(f"error: {name} must be a positive integer, got {value}", file=sys.stderr)
             return 2
+    unit: int | None = None
+    if args.prefix_match_unit is not None and args.prefix_match_unit != "best":
+        try:
+            unit = int(args.prefix_match_unit)
+        except ValueError:
+            unit = 0
+        if unit <= 0:
+            print("error: --prefix-match-unit must be a positive integer or 'best', got "
+                  f"{args.prefix_match_unit!r}", file=sys.stderr)
+            return 2
+    from .engine_config import vllm_has_prefix_match_unit
+
+    if args.prefix_match_unit is not None and not vllm_has_prefix_match_unit():
+        from ..compat import installed_vllm_version
+
+        print(f"error: --prefix-match-unit needs vLLM's CacheConfig.prefix_match_unit (0.32+); "
+              f"this vLLM is {installed_vllm_version()}", file=sys.stderr)
+        return 2
     if not args.time_scale > 0 or args.time_scale == float("inf"):
         print(f"error: --time-scale must be a finite number > 0, got {args.time_scale}",
               file=sys.stderr)
@@ -105,8 +135,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     policies = ["upstream", "plugin"] if args.policy == "both" else [args.policy]
     config = ReplayConfig(model_shape=args.model_shape, block_size=args.block_size,
-                          cache_tokens=args.cache_tokens)
+                          cache_tokens=args.cache_tokens, prefix_match_unit=unit)
+    sweep = args.prefix_match_unit == "best"
     try:
+        config.layout()  # refuses a bad --prefix-match-unit before any trace is read
+        units = len(sweep_units(config)) if sweep else 1
         if args.trace:
             trace = load_trace(args.trace, hash_block_size=args.hash_block_size or DEFAULT_HASH_BLOCK_SIZE,
                                time_scale=args.time_scale, limit=args.limit)
@@ -118,11 +151,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from tqdm import tqdm
 
     runs = (1 + args.timing_repeats) * len(policies)
-    with tqdm(total=runs * len(trace.requests), desc=f"replay {trace.name}", unit="req",
+    with tqdm(total=units * runs * len(trace.requests), desc=f"replay {trace.name}", unit="req",
               file=sys.stderr, disable=None) as bar, contextlib.redirect_stdout(sys.stderr):
         try:
-            report = compare_policies(trace, config, policies, progress=bar,
-                                      timing_repeats=args.timing_repeats)
+            if sweep:
+                report = sweep_prefix_match_units(trace, config, policies, progress=bar,
+                                                  timing_repeats=args.timing_repeats)
+            else:
+                report = compare_policies(trace, config, policies, progress=bar,
+                                          timing_repeats=args.timing_repeats)
             points = None
             if args.plot:
                 bar.reset(total=5 * runs * len(trace.requests))
@@ -134,9 +171,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.json:
         payload = report.to_json()
         if points is not None:
-            payload["plot"] = {"path": args.plot, "points": [
-                {"cache_tokens": t, "token_hit_rate": rates, "bound_hit_rate": b}
-                for t, rates, b in points]}
+            payload["plot"] = {"path": args.plot, "points": [vars(p) for p in points]}
         print(json.dumps(payload, indent=2))
     else:
         print(render_table(report))

@@ -22,7 +22,8 @@ from typing import Any
 from .shapes import ModelShape
 
 __all__ = ["EngineSetup", "KVLayout", "ReplayVersionError", "build_engine_setup",
-           "vllm_config_for"]
+           "vllm_config_for", "vllm_has_prefix_match_unit"]
+
 
 class ReplayVersionError(RuntimeError):
     """The installed vLLM lacks a function the harness needs."""
@@ -170,6 +171,12 @@ class EngineSetup:
     #: Bytes of the block pool (what the workers would allocate for the KV cache).
     pool_bytes: int = 0
 
+    @property
+    def hit_alignment(self) -> int:
+        """Tokens a prefix-cache hit is a multiple of: the hash unit with sub-block hits."""
+        alignment = getattr(self.kv_cache_config, "cache_hit_alignment_tokens", None)
+        return int(alignment or self.scheduler_block_size)
+
     def group_block_size(self, group_id: int) -> int:
         return int(self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec.block_size)
 
@@ -200,6 +207,15 @@ def _layer_specs(shape: ModelShape, layout: KVLayout) -> dict[str, Any]:
                 prefill_checkpoint_alignment=1 if checkpoint else None,
             )
     return specs
+
+
+def vllm_has_prefix_match_unit() -> bool:
+    """vLLM 0.32+ has ``CacheConfig.prefix_match_unit`` (sub-block prefix hits)."""
+    import dataclasses
+
+    from vllm.config import CacheConfig
+
+    return any(f.name == "prefix_match_unit" for f in dataclasses.fields(CacheConfig))
 
 
 def _vllm_has_mamba2_checkpoint() -> bool:
@@ -250,7 +266,13 @@ def build_engine_setup(
     cache.mamba_block_size = layout.mamba_block_size or layout.block_size
     cache.mamba_page_size_padded = layout.mamba_page_padded
     cache.num_gpu_blocks_override = layout.num_blocks
-    cache.prefix_match_unit = layout.prefix_match_unit
+    if layout.prefix_match_unit is not None and not vllm_has_prefix_match_unit():
+        from ..compat import installed_vllm_version
+
+        raise ReplayVersionError(
+            f"prefix_match_unit={layout.prefix_match_unit}: vLLM {installed_vllm_version()} "
+            "has no CacheConfig.prefix_match_unit (sub-block hits need vLLM 0.32+)")
+    cache.prefix_match_unit = layout.prefix_match_unit  # also resets the shared config's
     sched.max_num_batched_tokens = max_num_batched_tokens
     if getattr(sched, "max_num_scheduled_tokens", None) is not None:
         sched.max_num_scheduled_tokens = max_num_batched_tokens

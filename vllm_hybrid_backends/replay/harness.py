@@ -28,7 +28,8 @@ from .policy import Policy
 from .shapes import ModelShape, derive_cache_geometry, get_shape
 from .workloads import Trace, TraceRequest
 
-__all__ = ["ReplayConfig", "ReplayError", "RequestRecord", "RunResult", "run_replay"]
+__all__ = ["ReplayConfig", "ReplayError", "RequestRecord", "RunResult", "prefix_match_units",
+           "run_replay"]
 
 STEP_BASE_S = 0.010
 STEP_PER_TOKEN_S = 0.00005
@@ -76,12 +77,30 @@ class ReplayConfig:
         if self.cache_tokens < block_size:
             raise ReplayError(f"--cache-tokens {self.cache_tokens} is less than one block "
                               f"({block_size} tokens)")
+        unit = self.prefix_match_unit
+        if unit is not None:
+            allowed = prefix_match_units(block_size, self.mamba_block_size)
+            if unit not in allowed:
+                sizes = sorted({block_size, self.mamba_block_size or block_size})
+                raise ReplayError(
+                    f"--prefix-match-unit {unit}: vLLM needs a divisor of every KV-cache "
+                    f"group's block size ({', '.join(map(str, sizes))} here); allowed: "
+                    f"{', '.join(map(str, allowed))}")
+        if attention_only and unit is not None and unit < block_size:
+            # vLLM rejects a sub-block unit for a single (attention) group: the attention-only
+            # bound at that unit is an attention cache of unit-sized blocks, same capacity.
+            block_size = unit
         return KVLayout(block_size=block_size, num_blocks=self.cache_tokens // block_size + 1,
                         mamba_page_padded=geometry.mamba_page_padded,
                         mamba_block_size=self.mamba_block_size, attention_only=attention_only,
                         num_spec_tokens=self.num_spec_tokens,
-                        # vLLM rejects a sub-block unit for a single (attention) group
-                        prefix_match_unit=None if attention_only else self.prefix_match_unit)
+                        prefix_match_unit=None if attention_only else unit)
+
+
+def prefix_match_units(block_size: int, mamba_block_size: int | None = None) -> list[int]:
+    """The ``prefix_match_unit`` values vLLM 0.32 accepts: divisors of every group's block."""
+    sizes = {block_size, mamba_block_size or block_size}
+    return [u for u in range(1, min(sizes) + 1) if all(s % u == 0 for s in sizes)]
 
 
 @dataclass
@@ -110,6 +129,10 @@ class RunResult:
     pool_bytes: int = 0
     steps: int = 0
     prefill_tokens_computed: int = 0
+    #: Tokens computed again after a preemption (positions below what the request had reached:
+    #: computed, or served from the cache, before); the prompt's part and all positions.
+    recomputed_prompt_tokens: int = 0
+    recomputed_tokens: int = 0
     mamba_blocks_peak: int = 0
     mamba_blocks_mean: float = 0.0
     evictions_attention: int = 0
@@ -258,41 +281,48 @@ class _Instruments:
         return make_block_hash_with_group_id(block_hash, group) in self.evicted_mamba_keys
 
     def classify_misses(self, request: Any, hit: int, bound: int) -> dict[str, int]:
-        """Why each block-sized chunk in ``(hit, bound]`` was not a hit for this lookup."""
-        from vllm.v1.core.kv_cache_utils import BlockHashListWithBlockSize
+        """Why each hit-sized chunk in ``(hit, bound]`` was not a hit for this lookup.
 
-        step = self.setup.scheduler_block_size
+        Chunks are as long as vLLM's hit granularity: the scheduler block, or with sub-block
+        hits (``prefix_match_unit``) the hash unit. A state or partial block at boundary ``p``
+        is keyed by the request's hash at ``p`` (each hash is chained over its whole prefix,
+        which is also how vLLM keys a full block of any size).
+        """
+        step = self.setup.hit_alignment
         hash_size = self.setup.hash_block_size
         groups = self.setup.kv_cache_config.kv_cache_groups
+        block_hashes = request.block_hashes
 
-        def hashes(group: int) -> Any:
-            size = groups[group].kv_cache_spec.block_size
-            if size == hash_size:
-                return request.block_hashes
-            return BlockHashListWithBlockSize(request.block_hashes, hash_size, size)
+        def has_key_at(p: int, group: int) -> bool:
+            index = p // hash_size - 1
+            return index < len(block_hashes) and self.has_key(block_hashes[index], group)
 
-        group_hashes = {g: hashes(g) for g in range(len(groups))}
-        attention_len = None
+        full_run: dict[int, int] = {}  # attention group -> tokens of its cached full blocks
         for g in self.setup.attention_group_ids:
-            size, hs, n = groups[g].kv_cache_spec.block_size, group_hashes[g], 0
-            while n < len(hs) and self.has_key(hs[n], g):
+            size, n = groups[g].kv_cache_spec.block_size, 0
+            while has_key_at((n + 1) * size, g):
                 n += 1
-            attention_len = n * size if attention_len is None else min(attention_len, n * size)
-        attention_len = attention_len or 0
+            full_run[g] = n * size
+
+        def attention_at(p: int) -> bool:
+            for g, run in full_run.items():
+                size = groups[g].kv_cache_spec.block_size
+                if run < p and not (run >= p - p % size and has_key_at(p, g)):
+                    return False
+            return True
+
         reasons: dict[str, int] = {}
         p = (hit // step + 1) * step
         while p <= bound:
             have, evicted = [], []
             for g in self.setup.mamba_group_ids:
-                size = groups[g].kv_cache_spec.block_size
-                hs = group_hashes[g]
-                index = p // size - 1
-                known = p % size == 0 and index < len(hs)
-                have.append(known and self.has_key(hs[index], g))
-                evicted.append(known and self.was_evicted(hs[index], g))
+                index = p // hash_size - 1
+                known = index < len(block_hashes)
+                have.append(known and self.has_key(block_hashes[index], g))
+                evicted.append(known and self.was_evicted(block_hashes[index], g))
             if not any(have):
                 reason = "evicted" if any(evicted) else "no_mamba_state_at_boundary"
-            elif not all(have) or attention_len < p:
+            elif not all(have) or not attention_at(p):
                 reason = "groups_disagreed"
             else:
                 reason = "other"
@@ -372,6 +402,8 @@ class _Run:
                 conv_kernel=shape.state.conv_kernel, num_spec_tokens=config.num_spec_tokens,
                 conv_layout=config.conv_layout)
         self.records = {r.id: RequestRecord(len(r.prompt_token_ids)) for r in trace.requests}
+        #: per request, the furthest position it has computed or been served from the cache
+        self.reached: dict[str, int] = {}
         self._wrap_lookup()
 
     def _make_scheduler(self) -> Any:
@@ -529,8 +561,14 @@ class _Run:
             n = out.num_scheduled_tokens[req_id]
             drafts = spec_tokens.get(req_id, ())
             real_end = start + n - len(drafts)
-            result.prefill_tokens_computed += max(0, min(real_end, request.num_prompt_tokens)
-                                                  - start)
+            prompt_len = request.num_prompt_tokens
+            result.prefill_tokens_computed += max(0, min(real_end, prompt_len) - start)
+            reached = max(self.reached.get(req_id, 0), start)
+            if start < reached:  # resumed after a preemption, below where it had been
+                result.recomputed_tokens += min(real_end, reached) - start
+                result.recomputed_prompt_tokens += max(0, min(real_end, reached, prompt_len)
+                                                       - start)
+            self.reached[req_id] = max(reached, real_end)
             if real_end < request.num_tokens:
                 sampled.append([])  # a partial prefill samples nothing
                 continue

@@ -28,7 +28,15 @@ from .harness import MISS_REASONS, RunResult
 from .oracle import HASH_BASE, HASH_MOD
 from .workloads import Trace
 
-__all__ = ["PolicyMetrics", "ideal_hits", "policy_metrics"]
+__all__ = ["GAP_CAUSES", "PolicyMetrics", "gap_to_ideal", "ideal_hits", "policy_metrics"]
+
+#: The gap to the ideal by cause, from the miss reasons (their sum is ideal - hit, in tokens).
+GAP_CAUSES: dict[str, tuple[str, ...]] = {
+    "capacity": ("evicted",),
+    "placement": ("no_mamba_state_at_boundary", "groups_disagreed"),
+    "granularity": ("prefix_shorter_than_block",),
+    "other": ("other",),
+}
 
 _GRANULE = 16
 
@@ -43,42 +51,57 @@ def _prefix_hashes(tokens: list[int], limit: int) -> list[int]:
     return out
 
 
+def _common_length(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def ideal_hits(trace: Trace, order: dict[str, int]) -> dict[str, int]:
-    """Token-granular longest shared prefix with any earlier admitted request (see module)."""
+    """Token-granular longest shared prefix with any earlier admitted request (see module).
+
+    Exact (up to 61-bit hash collisions): every earlier prompt + output is indexed by the hash
+    of each of its prefixes at a multiple of ``_GRANULE`` tokens, with the distinct next
+    ``_GRANULE - 1`` tokens seen after it. A request's longest granule-aligned shared prefix is
+    found by binary search (shared prefixes are prefix-closed), then extended token by token
+    against every continuation stored there.
+    """
     by_id = {r.id: r for r in trace.requests}
-    seen: dict[int, list[str]] = {}
+    continuations: dict[int, set[tuple[int, ...]]] = {}
     result: dict[str, int] = {}
     for rid in sorted(order, key=order.__getitem__):
         request = by_id[rid]
         prompt = request.prompt_token_ids
         limit = len(prompt) - 1
-        hashes = _prefix_hashes(prompt, limit)
-        positions = [p for p in range(1, min(_GRANULE, limit + 1))] + list(
-            range(_GRANULE, limit + 1, _GRANULE))
-        lo, hi = 0, len(positions)  # binary search: shared prefixes are prefix-closed
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if hashes[positions[mid]] in seen:
-                lo = mid + 1
-            else:
-                hi = mid
-        best = positions[lo - 1] if lo else 0
-        shared = best
-        for other in seen.get(hashes[best], [])[:8] if best else []:
-            sequence = by_id[other].prompt_token_ids + by_id[other].output_token_ids
-            n = best
-            while n < limit and n < len(sequence) and sequence[n] == prompt[n]:
-                n += 1
-            shared = max(shared, n)
+        shared = 0
+        if continuations and limit > 0:
+            hashes = _prefix_hashes(prompt, limit)
+            lo, hi = 1, limit // _GRANULE + 1  # granule 0 (the empty prefix) is always seen
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if hashes[mid * _GRANULE] in continuations:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            best = (lo - 1) * _GRANULE
+            head = prompt[best:limit]
+            shared = best + max(_common_length(c, head)
+                                for c in continuations[hashes[best]])
         result[rid] = shared
         full = prompt + request.output_token_ids
         full_hashes = _prefix_hashes(full, len(full))
-        for p in [*range(1, min(_GRANULE, len(full) + 1)),
-                  *range(_GRANULE, len(full) + 1, _GRANULE)]:
-            bucket = seen.setdefault(full_hashes[p], [])
-            if len(bucket) < 8:
-                bucket.append(rid)
+        for p in range(0, len(full) + 1, _GRANULE):
+            continuations.setdefault(full_hashes[p], set()).add(
+                tuple(full[p:p + _GRANULE - 1]))
     return result
+
+
+def gap_to_ideal(miss_reasons: dict[str, int]) -> dict[str, int]:
+    """Group the miss reasons by cause: capacity, placement, granularity (and other)."""
+    return {cause: sum(miss_reasons[r] for r in reasons) for cause, reasons in GAP_CAUSES.items()}
 
 
 @dataclass
@@ -89,6 +112,8 @@ class PolicyMetrics:
     bound_hit_rate: float
     ideal_hit_rate: float
     prefill_tokens_computed: int
+    recomputed_prompt_tokens: int
+    recomputed_tokens: int
     scheduler_steps: int
     mamba_blocks_peak: int
     mamba_blocks_mean: float
@@ -99,11 +124,15 @@ class PolicyMetrics:
     state_checks: int
     sched_step_us_median: float
     miss_reasons: dict[str, int]
+    #: ``ideal - hit`` in tokens split by cause (:data:`GAP_CAUSES`); the parts add up exactly.
+    gap_to_ideal: dict[str, int]
     backend: str
     patches: list[str]
     blocks_leaked: int
     wall_s: float
     mismatch_examples: list[str] = field(default_factory=list)
+    #: The hit granularity it ran at: ``--prefix-match-unit``, else the block size.
+    prefix_match_unit: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in vars(self).items()}
@@ -122,6 +151,7 @@ def policy_metrics(trace: Trace, hybrid: RunResult, bound: RunResult) -> PolicyM
         hit = record.hit_tokens + record.external_tokens
         bound_hit = bound.requests[rid].hit_tokens
         if hit >= best:
+            reasons["other"] += best - hit  # a hit beyond the ideal would be a bug: shows here
             continue
         block_floor = best // granule * granule
         reasons["prefix_shorter_than_block"] += best - max(block_floor, hit)
@@ -138,6 +168,8 @@ def policy_metrics(trace: Trace, hybrid: RunResult, bound: RunResult) -> PolicyM
         bound_hit_rate=sum(r.hit_tokens for r in bound.requests.values()) / prompt_tokens,
         ideal_hit_rate=sum(ideal.values()) / prompt_tokens,
         prefill_tokens_computed=hybrid.prefill_tokens_computed,
+        recomputed_prompt_tokens=hybrid.recomputed_prompt_tokens,
+        recomputed_tokens=hybrid.recomputed_tokens,
         scheduler_steps=hybrid.steps,
         mamba_blocks_peak=hybrid.mamba_blocks_peak,
         mamba_blocks_mean=hybrid.mamba_blocks_mean,
@@ -148,6 +180,7 @@ def policy_metrics(trace: Trace, hybrid: RunResult, bound: RunResult) -> PolicyM
         state_checks=hybrid.state_checks,
         sched_step_us_median=hybrid.sched_step_us_median,
         miss_reasons=reasons,
+        gap_to_ideal=gap_to_ideal(reasons),
         backend=hybrid.backend,
         patches=hybrid.patches,
         blocks_leaked=hybrid.blocks_leaked,

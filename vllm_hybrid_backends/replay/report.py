@@ -7,16 +7,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..compat import installed_vllm_version
-from .harness import MISS_REASONS, ReplayConfig, run_replay
-from .metrics import PolicyMetrics, policy_metrics
+from .harness import MISS_REASONS, ReplayConfig, prefix_match_units, run_replay
+from .metrics import GAP_CAUSES, PolicyMetrics, policy_metrics
 from .policy import get_policy
 from .workloads import Trace
 
 __all__ = ["PLOT_INSTALL_HINT", "Report", "compare_policies", "plot_capacity_sweep",
-           "render_table"]
+           "render_table", "sweep_prefix_match_units", "sweep_units", "CapacityPoint"]
 
 PLOT_INSTALL_HINT = "pip install 'vllm-hybrid-backends[plot]'"
 PLOT_CAPACITY_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
+#: ``--prefix-match-unit best`` tries the allowed units of at least this many tokens (finer
+#: ones hash every few tokens and give the bound run one block per unit: far slower).
+SWEEP_MIN_UNIT = 16
 
 
 @dataclass
@@ -27,6 +30,8 @@ class Report:
     num_blocks: int
     pool_bytes: int
     policies: dict[str, PolicyMetrics] = field(default_factory=dict)
+    #: ``--prefix-match-unit best``: each policy's token hit rate at every unit tried.
+    unit_sweep: dict[str, dict[int, float]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         shape = self.config.resolved_shape()
@@ -43,6 +48,9 @@ class Report:
             "platform_rule": self.config.platform,
             "workload_params": self.trace.params,
             "policies": {name: m.to_json() for name, m in self.policies.items()},
+            **({} if self.unit_sweep is None else {"prefix_match_unit_sweep": {
+                name: {str(u): round(rate, 6) for u, rate in rates.items()}
+                for name, rates in self.unit_sweep.items()}}),
         }
 
 
@@ -65,7 +73,9 @@ def compare_policies(trace: Trace, config: ReplayConfig, policies: Sequence[str]
         if report is None:
             report = Report(trace, config, hybrid.block_size, hybrid.num_blocks,
                             hybrid.pool_bytes)
-        report.policies[name] = policy_metrics(trace, hybrid, bound)
+        report.policies[name] = replace(policy_metrics(trace, hybrid, bound),
+                                        prefix_match_unit=config.prefix_match_unit
+                                        or hybrid.block_size)
     assert report is not None, "no policy given"
     for _ in range(timing_repeats - 1):
         for name in policies:
@@ -75,6 +85,38 @@ def compare_policies(trace: Trace, config: ReplayConfig, policies: Sequence[str]
                 report.policies[name] = replace(
                     metrics, sched_step_us_median=again.sched_step_us_median)
     return report
+
+
+def sweep_units(config: ReplayConfig, min_unit: int = SWEEP_MIN_UNIT) -> list[int]:
+    """The units ``--prefix-match-unit best`` tries, coarsest first (the block size always)."""
+    block = config.layout().block_size
+    return sorted((u for u in prefix_match_units(block, config.mamba_block_size)
+                   if u >= min_unit or u == block), reverse=True)
+
+
+def sweep_prefix_match_units(trace: Trace, config: ReplayConfig, policies: Sequence[str],
+                             progress: Any = None, timing_repeats: int = 1,
+                             min_unit: int = SWEEP_MIN_UNIT) -> Report:
+    """Replay at every unit of :func:`sweep_units`; report each policy at its best unit.
+
+    The best unit is the one with the highest token hit rate (the coarsest among equals); its
+    metrics, bound included, are the policy's row. ``Report.unit_sweep`` keeps every rate.
+    """
+    best: Report | None = None
+    sweep: dict[str, dict[int, float]] = {name: {} for name in policies}
+    block = config.layout().block_size
+    for unit in sweep_units(config, min_unit):
+        report = compare_policies(trace, replace(config, prefix_match_unit=None if unit == block
+                                                 else unit), policies, progress, timing_repeats)
+        if best is None:
+            best = replace(report, policies=dict(report.policies))
+        for name, metrics in report.policies.items():
+            sweep[name][unit] = metrics.token_hit_rate
+            if metrics.token_hit_rate > best.policies[name].token_hit_rate:
+                best.policies[name] = metrics
+    assert best is not None, "no unit to sweep"
+    best.unit_sweep = sweep
+    return best
 
 
 def _pct(x: float) -> str:
@@ -103,6 +145,9 @@ def render_table(report: Report) -> str:
     def row(label: str, values: Sequence[str]) -> None:
         lines.append(f"{label:34}" + "".join(f"{v:>{width}}" for v in values))
 
+    if report.unit_sweep is not None or any(m[n].prefix_match_unit != report.block_size
+                                            for n in names):
+        row("prefix match unit (tokens)", [str(m[n].prefix_match_unit) for n in names])
     row("token hit rate", [_pct(m[n].token_hit_rate) for n in names])
     row("attention-only bound", [_pct(m[n].bound_hit_rate) for n in names])
     row("ideal (token-granular, unbounded)", [_pct(m[n].ideal_hit_rate) for n in names])
@@ -113,12 +158,21 @@ def render_table(report: Report) -> str:
     row("evictions attention / Mamba",
         [f"{m[n].evictions_attention} / {m[n].evictions_mamba}" for n in names])
     row("preemptions", [str(m[n].preemptions) for n in names])
+    row("recomputed after preemption", [f"{m[n].recomputed_tokens:,}" for n in names])
+    row("  of which prompt tokens", [f"{m[n].recomputed_prompt_tokens:,}" for n in names])
     row("state mismatches (checks)",
         [f"{m[n].state_mismatches} ({m[n].state_checks:,})" for n in names])
     row("median scheduler step (us)", [f"{m[n].sched_step_us_median:.0f}" for n in names])
     lines.append("missed reusable prompt tokens, by reason:")
     for reason in MISS_REASONS:
         row(f"  {reason.replace('_', ' ')}", [f"{m[n].miss_reasons[reason]:,}" for n in names])
+    lines.append("gap to the ideal (tokens), by cause:")
+    for cause in GAP_CAUSES:
+        row(f"  {cause}", [f"{m[n].gap_to_ideal[cause]:,}" for n in names])
+    if report.unit_sweep is not None:
+        for n in names:
+            rates = ", ".join(f"{u}: {_pct(r)}" for u, r in report.unit_sweep[n].items())
+            lines.append(f"{n}: hit rate by prefix match unit: {rates}")
     for n in names:
         if m[n].patches:
             lines.append(f"{n}: patches applied: {', '.join(m[n].patches)}")
@@ -127,11 +181,23 @@ def render_table(report: Report) -> str:
     return "\n".join(lines)
 
 
-def plot_capacity_sweep(trace: Trace, config: ReplayConfig, policies: Sequence[str], path: str,
-                        progress: Any = None) -> list[tuple[int, dict[str, float], float]]:
-    """Token hit rate against cache capacity for each policy, written as a PNG.
+@dataclass
+class CapacityPoint:
+    """One capacity of :func:`plot_capacity_sweep`: each policy's hit rate, the bound, the ideal."""
 
-    Re-runs the workload at :data:`PLOT_CAPACITY_FACTORS` times ``config.cache_tokens``.
+    cache_tokens: int
+    token_hit_rate: dict[str, float]
+    bound_hit_rate: float
+    ideal_hit_rate: float
+
+
+def plot_capacity_sweep(trace: Trace, config: ReplayConfig, policies: Sequence[str], path: str,
+                        progress: Any = None) -> list[CapacityPoint]:
+    """Token hit rate against cache capacity for each policy, the bound and the ideal (PNG).
+
+    Re-runs the workload at :data:`PLOT_CAPACITY_FACTORS` times ``config.cache_tokens``. The
+    bound and the ideal are the first policy's (the ideal changes with capacity only through
+    the order requests are admitted in).
     """
     try:
         import matplotlib
@@ -141,24 +207,28 @@ def plot_capacity_sweep(trace: Trace, config: ReplayConfig, policies: Sequence[s
     except ImportError:
         raise RuntimeError(f"--plot needs matplotlib: {PLOT_INSTALL_HINT}") from None
     block = config.layout().block_size
-    points: list[tuple[int, dict[str, float], float]] = []
+    points: list[CapacityPoint] = []
     for factor in PLOT_CAPACITY_FACTORS:
         tokens = max(block, int(config.cache_tokens * factor) // block * block)
         report = compare_policies(trace, replace(config, cache_tokens=tokens), policies,
                                   progress)
         first = next(iter(report.policies.values()))
-        points.append((tokens, {n: p.token_hit_rate for n, p in report.policies.items()},
-                       first.bound_hit_rate))
+        points.append(CapacityPoint(tokens, {n: p.token_hit_rate
+                                             for n, p in report.policies.items()},
+                                    first.bound_hit_rate, first.ideal_hit_rate))
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    xs = [p[0] for p in points]
+    xs = [p.cache_tokens for p in points]
     for name in policies:
-        ax.plot(xs, [100 * p[1][name] for p in points], marker="o", label=name)
-    ax.plot(xs, [100 * p[2] for p in points], linestyle="--", color="gray",
+        ax.plot(xs, [100 * p.token_hit_rate[name] for p in points], marker="o", label=name)
+    ax.plot(xs, [100 * p.bound_hit_rate for p in points], linestyle="--", color="gray",
             label="attention-only bound")
+    ax.plot(xs, [100 * p.ideal_hit_rate for p in points], linestyle=":", color="black",
+            label="ideal (token-granular, unbounded)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("KV cache capacity (tokens)")
     ax.set_ylabel("token hit rate (%)")
-    ax.set_title(f"{trace.name} on {config.resolved_shape().name}, block {block}")
+    unit = f", prefix match unit {config.prefix_match_unit}" if config.prefix_match_unit else ""
+    ax.set_title(f"{trace.name} on {config.resolved_shape().name}, block {block}{unit}")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
