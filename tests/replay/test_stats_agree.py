@@ -68,3 +68,14 @@ def test_online_miss_counters_match_the_replay_attribution(monkeypatch, cache_to
         assert sum(v for k, v in stats.COUNTERS.items() if k.startswith("evicted:")) > 0
     else:
         assert not any(k.startswith("evicted:") for k in stats.COUNTERS)
+
+
+def test_a_replay_with_stats_on_leaves_scheduler_stats_as_it_was(monkeypatch):
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    before = set(SchedulerStats.__dataclass_fields__)
+    monkeypatch.setenv(stats.STATS_ENV, "1")
+    run_replay(_evicting_trace(), _config(cache_tokens=4096, max_num_batched_tokens=64),
+               get_policy("plugin"))
+    assert set(SchedulerStats.__dataclass_fields__) == before
+    assert "hybrid" not in SchedulerStats.__dataclass_fields__

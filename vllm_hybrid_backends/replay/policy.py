@@ -75,6 +75,11 @@ def revertible_patches(patch_modules: Sequence[ModuleType]) -> Iterator[list[str
             module.apply()
         yield [m.__name__.rsplit(".", 1)[-1] for m in patch_modules]
     finally:
+        # a patch's own revert undoes what no symbol snapshot sees (e.g. a dataclass field)
+        for module in reversed(patch_modules):
+            revert = getattr(module, "revert", None)
+            if revert is not None:
+                revert()
         for owner, attr, value in reversed(saved):
             if value is _MISSING:
                 if attr in vars(owner):
