@@ -122,8 +122,8 @@ class FakeHybridWorker:
                              "preprocess_mamba uses one Mamba spec for all groups")
         self.block_size = sizes.pop()
         self.spec = specs[0]
-        self.checkpoint_alignment = self.spec.prefill_checkpoint_alignment \
-            if self.spec.num_prefill_checkpoint_blocks > 0 else None
+        self.checkpoint_alignment = getattr(self.spec, "prefill_checkpoint_alignment", None) \
+            if getattr(self.spec, "num_prefill_checkpoint_blocks", 0) > 0 else None  # 0.30+
         # vLLM gives interior blocks only to groups without internal checkpoints or spec blocks
         self.stores_interior = self.checkpoint_alignment is None and num_spec_tokens == 0
         num_blocks = setup.kv_cache_config.num_blocks
