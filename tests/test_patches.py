@@ -28,7 +28,8 @@ def v1_copy_patch(monkeypatch):
     for name in copy_patch.TARGET_SYMBOLS:  # "function" or "Class.method"
         owner, _, attr = name.rpartition(".")
         host = getattr(mamba_utils, owner) if owner else mamba_utils
-        monkeypatch.setattr(host, attr, vars(host)[attr])
+        if attr in vars(host):  # vLLM 0.26's context lacks some of the methods
+            monkeypatch.setattr(host, attr, vars(host)[attr])
     copy_patch._ORIGINALS.clear()
     copy_patch._state_cache.clear()
     copy_patch.apply()
@@ -52,7 +53,9 @@ def _model(num_blocks=20, conv_dim=6, state_len=4, dtype=torch.float32, generato
         conv = torch.randn(num_blocks, state_len, conv_dim, generator=generator).to(dtype)
         ssm = torch.randn(num_blocks, 2, 3, 5, generator=generator).to(dtype)
         forward_context[layer] = types.SimpleNamespace(kv_cache=[conv, ssm])
-    copy_funcs = {backend_enum: (layer_utils.get_conv_copy_spec, layer_utils.get_temporal_copy_spec)}
+    funcs = (layer_utils.get_conv_copy_spec, layer_utils.get_temporal_copy_spec)
+    # vLLM 0.30+ key the copy functions by Mamba type; 0.26 gives every layer one tuple
+    copy_funcs = funcs if version_allows("<0.30") else {backend_enum: funcs}
     return config, forward_context, copy_funcs
 
 
@@ -136,12 +139,12 @@ def test_patched_v1_copies_go_through_the_selected_backend(v1_copy_patch, fresh_
 
 def test_unknown_copy_functions_fall_back_to_vllms_path(v1_copy_patch, fresh_plugins):
     config, context, funcs = _model()
-    key = next(iter(funcs))
 
     def custom_spec(state, block_ids, cur_block_idx, num_accepted_tokens):
         return layer_utils.get_temporal_copy_spec(state, block_ids, cur_block_idx, num_accepted_tokens)
 
-    funcs = {key: (layer_utils.get_conv_copy_spec, custom_spec)}
+    custom = (layer_utils.get_conv_copy_spec, custom_spec)
+    funcs = custom if isinstance(funcs, tuple) else {next(iter(funcs)): custom}
     bufs = _copy_bufs()
     req = types.SimpleNamespace(block_ids=([0], [2, 3], [7, 8]))
     mamba_utils.collect_mamba_copy_meta(bufs, config, funcs, [1, 2], 0, 1, 0, req, context)
@@ -260,3 +263,20 @@ def test_every_patch_applies_to_the_installed_vllm():
             assert status.reason
             assert (patches.is_optional(module) or version_allows("<0.32")
                     or status.reason == "VLLM_HYBRID_STATS is off"), status
+
+
+def test_applicable_patches_say_what_they_leave_to_this_vllm():
+    from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
+
+    copy_status = patches.check(copy_patch)
+    assert copy_status.state in (patches.READY, patches.APPLIED), copy_status
+    if version_allows("<0.30"):  # 0.26's spec-decode context is an earlier design
+        assert "only the V1 scalar copy path" in copy_status.reason
+        assert "compute_aligned_state_indices" in copy_status.reason
+    else:
+        assert copy_status.reason == ""
+    limits = coordinator.limitation() or ""
+    if version_allows(">=0.26"):
+        assert limits == ""
+    else:  # 0.23: dense retention, no pop_blocks_for_free, no local-token count
+        assert "suffix eviction" in limits and "interior states" in limits

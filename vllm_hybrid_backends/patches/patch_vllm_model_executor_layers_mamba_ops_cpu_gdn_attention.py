@@ -51,7 +51,7 @@ from typing import Any
 TARGET_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 TARGET_SYMBOLS = ("_spec_forward", "_cpu_gdn_attention_nonspec")
 PROCESS = "worker"
-VLLM_VERSIONS = ">=0.30.0,<0.34.0"
+VLLM_VERSIONS = ">=0.26.0,<0.34.0"
 
 FIXED_IN = "0.33.0"
 

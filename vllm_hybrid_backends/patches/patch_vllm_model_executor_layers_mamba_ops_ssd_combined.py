@@ -34,7 +34,7 @@ from ..logs import logger
 TARGET_MODULE = "vllm.model_executor.layers.mamba.ops.ssd_combined"
 TARGET_SYMBOLS = ("_mamba_chunk_scan_combined_fwd",)
 PROCESS = "worker"
-VLLM_VERSIONS = ">=0.30.0,<0.34.0"
+VLLM_VERSIONS = ">=0.26.0,<0.34.0"
 
 CPU_SCAN_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.mamba_ssm"
 CPU_SCAN_NAME = "_mamba_chunk_scan_combined_fwd_cpu"

@@ -2,7 +2,8 @@
 finished request's cached prefix from its end, all groups together.
 
 - Targets: ``vllm.v1.core.kv_cache_coordinator.replay_boundaries`` (0.32+; the method
-  ``KVCacheCoordinator.get_replay_boundaries`` on 0.30/0.31), ``cache_blocks`` of every
+  ``KVCacheCoordinator.get_replay_boundaries`` on 0.30/0.31, the classmethod
+  ``MambaManager.reachable_block_mask`` on 0.26), ``cache_blocks`` of every
   coordinator class that defines one (0.30/0.31's ``HybridKVCacheCoordinator`` overrides the
   base's, so a wrapper on the base alone would never run), ``KVCacheCoordinator.free``,
   ``KVCacheCoordinator.remove_skipped_blocks``,
@@ -52,9 +53,12 @@ finished request's cached prefix from its end, all groups together.
   instance) the kept states evicted.
 - Upstream: vLLM #50551 (decode-end states for conversation reuse, open); retention semantics in
   ``vllm_map.md`` §4(d) (interior states: option A there).
-- vLLM versions: 0.30.x-0.33.x. 0.30/0.31: the replay boundaries are a coordinator method,
-  ``HybridKVCacheCoordinator`` overrides ``cache_blocks``, ``get_num_blocks_to_allocate`` has no
-  ``prefill_end`` (passed only where the original takes it).
+- vLLM versions: 0.26.x, 0.30.x-0.33.x. 0.30/0.31: the replay boundaries are a coordinator
+  method, ``HybridKVCacheCoordinator`` overrides ``cache_blocks``, ``get_num_blocks_to_allocate``
+  has no ``prefill_end`` (passed only where the original takes it). 0.26: as 0.30, and the kept
+  boundaries are the ``reachable_boundaries`` of ``MambaManager.reachable_block_mask`` (read
+  only under sparse retention, ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``; the default is
+  dense); Mamba managers are found by their ``MambaSpec`` (no ``has_prefill_checkpoint_blocks``).
 - Removal: when vLLM keeps caller-chosen boundaries itself.
 """
 
@@ -71,6 +75,7 @@ from . import patch_vllm_v1_core_kv_cache_manager as manager_patch
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_coordinator"
 TARGET_SYMBOLS = ("replay_boundaries", "KVCacheCoordinator.get_replay_boundaries",
+                  "vllm.v1.core.single_type_kv_cache_manager.MambaManager.reachable_block_mask",
                   "KVCacheCoordinator.cache_blocks", "HybridKVCacheCoordinator.cache_blocks",
                   "KVCacheCoordinator.free",
                   "KVCacheCoordinator.remove_skipped_blocks",
@@ -79,11 +84,13 @@ TARGET_SYMBOLS = ("replay_boundaries", "KVCacheCoordinator.get_replay_boundaries
                   "HybridKVCacheCoordinator.find_longest_cache_hit")
 _WRAPPED = ("free", "remove_skipped_blocks", "get_num_blocks_to_allocate", "allocate_new_blocks")
 PROCESS = "engine"
-VLLM_VERSIONS = ">=0.30.0,<0.34.0"
+VLLM_VERSIONS = ">=0.26.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
 #: vLLM 0.32+ passes ``prefill_end`` to ``get_num_blocks_to_allocate``; 0.30/0.31 do not.
 _TAKES_PREFILL_END = True
+#: Set at apply(): see :func:`_pops_blocks`.
+_POPS_BLOCKS = True
 #: (request, policy, memo of admitted boundaries) while ``cache_blocks`` runs for a request.
 _caching_for: contextvars.ContextVar[Any] = contextvars.ContextVar("hybrid_caching_for", default=None)
 #: What this engine process has learned about which extra states get reused (one per process).
@@ -104,18 +111,20 @@ def missing() -> list[str]:
         return [f"import {TARGET_MODULE}: {exc}"]
     problems = []
     coordinator = getattr(module, "KVCacheCoordinator", None)
-    if not callable(getattr(module, "replay_boundaries", None)) and \
-            not callable(getattr(coordinator, "get_replay_boundaries", None)):
-        problems.append("replay_boundaries (0.32+) or KVCacheCoordinator.get_replay_boundaries (0.30)")
-    for name in (*_WRAPPED, "cache_blocks", "pop_blocks_for_free"):
+    if _boundary_form(module) is None:
+        problems.append("replay_boundaries (0.32+), KVCacheCoordinator.get_replay_boundaries "
+                        "(0.30/0.31), MambaManager.reachable_block_mask (0.26) or dense Mamba "
+                        "retention (0.23)")
+    for name in (*_WRAPPED, "cache_blocks"):
         if not callable(getattr(coordinator, name, None)):
             problems.append(f"KVCacheCoordinator.{name}")
     try:
-        mamba = importlib.import_module("vllm.v1.core.single_type_kv_cache_manager").MambaManager
+        mamba = _mamba_manager_class()
     except Exception as exc:
         problems.append(f"MambaManager: {exc}")
     else:
-        if not callable(getattr(mamba, "_has_partial_local_hit", None)):
+        if _counts_local_tokens(coordinator) and \
+                not callable(getattr(mamba, "_has_partial_local_hit", None)):
             problems.append("MambaManager._has_partial_local_hit")
     hybrid = getattr(module, "HybridKVCacheCoordinator", None)
     if not callable(getattr(hybrid, "find_longest_cache_hit", None)):
@@ -128,7 +137,9 @@ def missing() -> list[str]:
          ("self", "block_hashes", "max_cache_hit_length")),
         (coordinator.get_num_blocks_to_allocate, "KVCacheCoordinator.get_num_blocks_to_allocate",
          ("self", "request_id", "num_tokens", "new_computed_blocks", "num_encoder_tokens",
-          "total_computed_tokens", "num_local_computed_tokens", "num_tokens_main_model")),
+          "total_computed_tokens",
+          *(("num_local_computed_tokens",) if _counts_local_tokens(coordinator) else ()),
+          "num_tokens_main_model")),
         (coordinator.allocate_new_blocks, "KVCacheCoordinator.allocate_new_blocks",
          ("self", "request_id", "num_tokens", "num_tokens_main_model")),
         (coordinator.free, "KVCacheCoordinator.free", ("self", "request_id")),
@@ -140,19 +151,24 @@ def missing() -> list[str]:
     signatures += [(vars(cls)["cache_blocks"], f"{cls.__name__}.cache_blocks",
                     ("self", "request", "num_computed_tokens"))
                    for cls in _coordinator_classes(module) if "cache_blocks" in vars(cls)]
-    if callable(getattr(module, "replay_boundaries", None)):
+    form = _boundary_form(module)
+    if form == "replay_boundaries":
         signatures.append((module.replay_boundaries, "replay_boundaries",
                            ("num_prompt_tokens", "scheduler_block_size", "use_eagle")))
-    else:
+    elif form == "KVCacheCoordinator.get_replay_boundaries":
         signatures.append((coordinator.get_replay_boundaries,
                            "KVCacheCoordinator.get_replay_boundaries", ("self", "request")))
+    elif form == "MambaManager.reachable_block_mask":
+        signatures.append((_unwrapped(_mamba_manager_class().reachable_block_mask, form), form,
+                           ("start_block", "end_block", "alignment_tokens", "kv_cache_spec",
+                            "use_eagle", "retention_interval", "reachable_boundaries")))
     return problems + [problem for function, where, expected in signatures
                        if (problem := signature_problem(_unwrapped(function, where), where, expected))]
 
 
 def _unwrapped(function: Any, key: str) -> Any:
     """The vLLM function behind one of this module's wrappers (checks run before and after apply)."""
-    if getattr(function, "_hybrid_backends_wrapper", False):
+    if getattr(getattr(function, "__func__", function), "_hybrid_backends_wrapper", False):
         return _ORIGINALS.get(key, function)
     return function
 
@@ -183,6 +199,86 @@ def get_replay_boundaries(self: Any, request: Any) -> tuple[int, ...]:
     return tuple(sorted(set(base).union(p for positions in extra.values() for p in positions)))
 
 
+def _mamba_manager_class() -> Any:
+    return importlib.import_module("vllm.v1.core.single_type_kv_cache_manager").MambaManager
+
+
+DENSE_RETENTION = "dense Mamba retention"
+
+
+def _boundary_form(module: Any) -> str | None:
+    """Where this vLLM decides which Mamba states sparse retention keeps: the module function
+    ``replay_boundaries`` (0.32+), the coordinator method ``get_replay_boundaries`` (0.30/0.31),
+    the manager classmethod ``MambaManager.reachable_block_mask`` taking
+    ``reachable_boundaries`` (0.26), or nowhere because Mamba retention is dense (0.23: the
+    manager inherits the base mask, every state at a block boundary is kept, nothing to add);
+    None if none of them."""
+    if callable(getattr(module, "replay_boundaries", None)):
+        return "replay_boundaries"
+    if callable(getattr(getattr(module, "KVCacheCoordinator", None), "get_replay_boundaries", None)):
+        return "KVCacheCoordinator.get_replay_boundaries"
+    try:
+        mamba = _mamba_manager_class()
+    except Exception:
+        return None
+    if "reachable_block_mask" not in vars(mamba):
+        return DENSE_RETENTION
+    if "reachable_boundaries" in inspect.signature(mamba.reachable_block_mask).parameters:
+        return "MambaManager.reachable_block_mask"
+    return None
+
+
+def _counts_local_tokens(coordinator: Any) -> bool:
+    """Whether ``get_num_blocks_to_allocate`` takes ``num_local_computed_tokens`` (0.26+; vLLM
+    0.23 passes its arguments by keyword without it). Without it the plugin plans no interior
+    blocks (it cannot tell a partial local hit) and only delegates."""
+    original = _unwrapped(coordinator.get_num_blocks_to_allocate,
+                          "KVCacheCoordinator.get_num_blocks_to_allocate")
+    return "num_local_computed_tokens" in inspect.signature(original).parameters
+
+
+def _pops_blocks(coordinator: Any) -> bool:
+    """Whether the managers hand over a request's blocks without freeing them
+    (``pop_blocks_for_free``, 0.26+): suffix eviction needs it; vLLM 0.23 keeps vLLM's order."""
+    return callable(getattr(coordinator, "pop_blocks_for_free", None))
+
+
+def limitation() -> str | None:
+    """What this patch leaves to vLLM on this version (doctor shows it)."""
+    try:
+        module = _module()
+        coordinator = module.KVCacheCoordinator
+        lacking = []
+        if _boundary_form(module) == DENSE_RETENTION:
+            lacking.append("no extra kept boundaries (Mamba retention is dense: every block-"
+                           "boundary state is kept already)")
+        if not _pops_blocks(coordinator):
+            lacking.append("no suffix eviction (no KVCacheCoordinator.pop_blocks_for_free)")
+        if not _counts_local_tokens(coordinator):
+            lacking.append("no interior states (get_num_blocks_to_allocate has no "
+                           "num_local_computed_tokens)")
+    except Exception:
+        return None
+    return "; ".join(lacking) or None
+
+
+def _reachable_block_mask(cls: Any, start_block: int, end_block: int, alignment_tokens: Any,
+                          kv_cache_spec: Any, use_eagle: bool, retention_interval: Any = None,
+                          reachable_boundaries: Any = ()) -> Any:
+    """vLLM 0.26 form of :func:`replay_boundaries`: the Mamba manager's sparse-retention mask
+    keeps the admitted boundaries too (dense retention, vLLM's default there, keeps every state)."""
+    caching = _caching_for.get()
+    if caching is not None and retention_interval is not None and alignment_tokens:
+        request, policy, memo = caching
+        extra = _admitted_boundaries(request, policy, request.num_prompt_tokens,
+                                     alignment_tokens, memo)
+        reachable_boundaries = (*reachable_boundaries,
+                                *(p for positions in extra.values() for p in positions))
+    return _ORIGINALS["MambaManager.reachable_block_mask"].__func__(
+        cls, start_block, end_block, alignment_tokens, kv_cache_spec, use_eagle,
+        retention_interval, reachable_boundaries)
+
+
 def _admitted_boundaries(request: Any, policy: align.AlignPolicy, num_prompt_tokens: int,
                          block_size: int, memo: dict[Any, Any]) -> dict[str, tuple[int, ...]]:
     found = memo.get((num_prompt_tokens, block_size))
@@ -198,10 +294,19 @@ def _admitted_boundaries(request: Any, policy: align.AlignPolicy, num_prompt_tok
 def _mamba_managers(coordinator: Any) -> list[Any]:
     known = getattr(coordinator, "_hybrid_mamba_managers", None)
     if known is None:
-        known = [m for m in coordinator.single_type_managers
-                 if hasattr(m, "has_prefill_checkpoint_blocks")]
+        known = [m for m in coordinator.single_type_managers if _is_mamba_manager(m)]
         coordinator._hybrid_mamba_managers = known
     return known
+
+
+def _is_mamba_manager(manager: Any) -> bool:
+    """A Mamba group's manager: it has ``has_prefill_checkpoint_blocks`` (0.32+) or manages a
+    ``MambaSpec`` (0.26-0.31 have no prefill checkpoints, hence no such attribute)."""
+    if hasattr(manager, "has_prefill_checkpoint_blocks"):
+        return True
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(getattr(manager, "kv_cache_spec", None), MambaSpec)
 
 
 def _one_per_block_size(coordinator: Any, managers: list[Any]) -> list[Any]:
@@ -270,7 +375,8 @@ def _internal_prefill_checkpoints(coordinator: Any) -> bool:
     known = getattr(coordinator, "_hybrid_internal_prefill_checkpoints", None)
     if known is None:
         mamba = _mamba_managers(coordinator)
-        known = bool(mamba) and all(m.has_prefill_checkpoint_blocks for m in mamba)
+        known = bool(mamba) and all(getattr(m, "has_prefill_checkpoint_blocks", False)
+                                    for m in mamba)
         coordinator._hybrid_internal_prefill_checkpoints = known
     return known
 
@@ -365,7 +471,7 @@ def find_longest_cache_hit(self: Any, block_hashes: Any, max_cache_hit_length: i
 
 def free(self: Any, request_id: str) -> None:
     LEDGER.forget_request(request_id)
-    if not align.active_policy().suffix_eviction:
+    if not align.active_policy().suffix_eviction or not _POPS_BLOCKS:
         _ORIGINALS["KVCacheCoordinator.free"](self, request_id)
         _release_probation(self.block_pool, request_id, finished=True)
         return
@@ -399,8 +505,8 @@ def stores_interior(spec: Any) -> bool:
     if getattr(spec, "mamba_cache_mode", None) != "align" or spec.num_speculative_blocks:
         return False
     kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
-    if spec.num_prefill_checkpoint_blocks and (interior_override is not None
-                                               or kind not in _INTERIOR_BESIDE_PREFILL_CHECKPOINT):
+    if getattr(spec, "num_prefill_checkpoint_blocks", 0) and (
+            interior_override is not None or kind not in _INTERIOR_BESIDE_PREFILL_CHECKPOINT):
         return False
     if interior_override is not None:
         return interior_override
@@ -432,7 +538,7 @@ def _interior_managers(coordinator: Any) -> list[tuple[int, Any]]:
     known = coordinator.__dict__.get("_hybrid_interior_managers")
     if known is None:
         known = [(coordinator.single_type_managers.index(m), m) for m in _mamba_managers(coordinator)
-                 if stores_interior(m.kv_cache_spec)]
+                 if stores_interior(m.kv_cache_spec) and _counts_local_tokens(coordinator)]
         coordinator._hybrid_interior_managers = known
     return known
 
@@ -490,6 +596,17 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
 
 def _on_probation(block: Any) -> bool:
     return block.block_hash is not None and _PROBATION.get(block.block_id) == block.block_hash
+
+
+def get_num_blocks_to_allocate_without_local(
+        self: Any, request_id: str, num_tokens: int, new_computed_blocks: Any,
+        num_encoder_tokens: int, total_computed_tokens: int, num_tokens_main_model: int,
+        apply_admission_cap: bool = False) -> int:
+    """vLLM 0.23 form of :func:`get_num_blocks_to_allocate` (no ``num_local_computed_tokens``):
+    delegates; no interior blocks are planned there (:func:`_counts_local_tokens`)."""
+    return int(_ORIGINALS["KVCacheCoordinator.get_num_blocks_to_allocate"](
+        self, request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
+        total_computed_tokens, num_tokens_main_model, apply_admission_cap=apply_admission_cap))
 
 
 def allocate_new_blocks(self: Any, request_id: str, num_tokens: int, num_tokens_main_model: int,
@@ -574,7 +691,8 @@ def _coordinator_classes(module: Any) -> list[type]:
             if isinstance(cls, type) and issubclass(cls, base) and cls.__module__ == module.__name__]
 
 
-_WRAPPERS: tuple[Any, ...] = (replay_boundaries, get_replay_boundaries, find_longest_cache_hit,
+_WRAPPERS: tuple[Any, ...] = (replay_boundaries, get_replay_boundaries, _reachable_block_mask,
+                              find_longest_cache_hit, get_num_blocks_to_allocate_without_local,
                               free, remove_skipped_blocks, get_num_blocks_to_allocate,
                               allocate_new_blocks)
 for _wrapper in _WRAPPERS:
@@ -582,7 +700,7 @@ for _wrapper in _WRAPPERS:
 
 
 def apply() -> None:
-    global LEDGER, _TAKES_PREFILL_END
+    global LEDGER, _TAKES_PREFILL_END, _POPS_BLOCKS
     align.refresh_policy()
     stats.refresh()
     module = _module()
@@ -598,22 +716,33 @@ def apply() -> None:
         if module.replay_boundaries is not replay_boundaries:
             _ORIGINALS["replay_boundaries"] = module.replay_boundaries
             module.replay_boundaries = replay_boundaries
-    elif module.KVCacheCoordinator.get_replay_boundaries is not get_replay_boundaries:
-        _ORIGINALS["KVCacheCoordinator.get_replay_boundaries"] = (
-            module.KVCacheCoordinator.get_replay_boundaries)
-        module.KVCacheCoordinator.get_replay_boundaries = get_replay_boundaries
+    elif _boundary_form(module) == "KVCacheCoordinator.get_replay_boundaries":
+        if module.KVCacheCoordinator.get_replay_boundaries is not get_replay_boundaries:
+            _ORIGINALS["KVCacheCoordinator.get_replay_boundaries"] = (
+                module.KVCacheCoordinator.get_replay_boundaries)
+            module.KVCacheCoordinator.get_replay_boundaries = get_replay_boundaries
+    elif _boundary_form(module) == "MambaManager.reachable_block_mask":
+        mamba = _mamba_manager_class()
+        current = vars(mamba)["reachable_block_mask"]
+        if not getattr(current.__func__, "_hybrid_backends_wrapper", False):
+            _ORIGINALS["MambaManager.reachable_block_mask"] = current
+            mamba.reachable_block_mask = classmethod(_reachable_block_mask)
     for cls in _coordinator_classes(module):
         current = vars(cls).get("cache_blocks")
         if current is not None and not getattr(current, "_hybrid_backends_wrapper", False):
             _ORIGINALS[f"{cls.__name__}.cache_blocks"] = current
             cls.cache_blocks = _cache_blocks_of(cls.__name__)  # type: ignore[attr-defined]
+    counts_local = _counts_local_tokens(module.KVCacheCoordinator)
     for name in _WRAPPED:
         wrapper = globals()[name]
+        if name == "get_num_blocks_to_allocate" and not counts_local:
+            wrapper = get_num_blocks_to_allocate_without_local
         if getattr(module.KVCacheCoordinator, name) is not wrapper:
             _ORIGINALS[f"KVCacheCoordinator.{name}"] = getattr(module.KVCacheCoordinator, name)
             setattr(module.KVCacheCoordinator, name, wrapper)
     _TAKES_PREFILL_END = "prefill_end" in inspect.signature(
         _ORIGINALS["KVCacheCoordinator.get_num_blocks_to_allocate"]).parameters
+    _POPS_BLOCKS = _pops_blocks(module.KVCacheCoordinator)
 
 
 def revert() -> None:
@@ -623,6 +752,9 @@ def revert() -> None:
             "HybridKVCacheCoordinator.find_longest_cache_hit")
     if "replay_boundaries" in _ORIGINALS:
         module.replay_boundaries = _ORIGINALS.pop("replay_boundaries")
+    if "MambaManager.reachable_block_mask" in _ORIGINALS:
+        _mamba_manager_class().reachable_block_mask = _ORIGINALS.pop(
+            "MambaManager.reachable_block_mask")
     if "KVCacheCoordinator.get_replay_boundaries" in _ORIGINALS:
         module.KVCacheCoordinator.get_replay_boundaries = _ORIGINALS.pop(
             "KVCacheCoordinator.get_replay_boundaries")

@@ -37,7 +37,7 @@ from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
 TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split", "Scheduler.make_stats")
 PROCESS = "engine"
-VLLM_VERSIONS = ">=0.30.0,<0.34.0"
+VLLM_VERSIONS = ">=0.26.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
 

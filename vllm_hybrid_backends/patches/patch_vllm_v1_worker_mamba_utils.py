@@ -34,7 +34,10 @@
   ``preprocess_mamba``; the fused kernels' missing CPU versions have no issue number.
 - vLLM versions: 0.30.x-0.33.x (``v1/worker/mamba_utils.py`` is identical in 0.32 and 0.33;
   0.30/0.31 index the V2 block tables by batch position under an ``idx_mapping`` and have no
-  ``aligned_index_block_tables``: both handled where the rows are chosen).
+  ``aligned_index_block_tables``: both handled where the rows are chosen). 0.26: the scalar
+  path only (one tuple of copy functions for every layer); its ``MambaSpecDecodeGPUContext`` is
+  an earlier design the replacements do not fit, so its fused kernels stay vLLM's
+  (:func:`limitation`, shown by doctor).
 - Removal: when vLLM exposes a block-level state-copy seam and CPU versions of the fused kernels.
 """
 
@@ -55,7 +58,7 @@ CONTEXT_METHODS = ("initialize_from_forward_context", "run_fused_precopy", "run_
 TARGET_SYMBOLS = ("collect_mamba_copy_meta", "do_mamba_copy_block",
                   *(f"{CONTEXT_CLASS}.{name}" for name in CONTEXT_METHODS))
 PROCESS = "worker"
-VLLM_VERSIONS = ">=0.30.0,<0.34.0"
+VLLM_VERSIONS = ">=0.26.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
 #: vLLM 0.30/0.31's V2 block tables are in batch order under an idx_mapping (0.32: request slots)
@@ -87,19 +90,57 @@ def missing() -> list[str]:
     except Exception as exc:
         return [f"import {TARGET_MODULE}: {exc}"]
     needed = ("collect_mamba_copy_meta", "do_mamba_copy_block", "get_conv_copy_spec",
-              "get_temporal_copy_spec", "is_conv_state_dim_first", "_get_mamba_spec_for_layer",
-              CONTEXT_CLASS)
+              "get_temporal_copy_spec", "is_conv_state_dim_first")
     problems = [f"{TARGET_MODULE}.{name}" for name in needed if not hasattr(module, name)]
-    context = getattr(module, CONTEXT_CLASS, None)
-    if context is not None:
-        problems += [f"{TARGET_MODULE}.{CONTEXT_CLASS}.{name}" for name in CONTEXT_METHODS
-                     if not callable(getattr(context, name, None))]
-        fields = getattr(context, "__dataclass_fields__", {})
-        problems += [f"{TARGET_MODULE}.{CONTEXT_CLASS} field {name}"
-                     for name in ("block_size", "mamba_group_ids", "num_accepted_tokens_out",
-                                  "aligned_state_indices", "is_initialized")
-                     if name not in fields]
+    if not problems and not SCALAR_PATH_ONLY:
+        problems = _context_problems(module)
     return problems
+
+
+def _context_problems(module: Any) -> list[str]:
+    """What the fused-path replacements need of ``MambaSpecDecodeGPUContext`` and cannot find."""
+    context = getattr(module, CONTEXT_CLASS, None)
+    if context is None:
+        return [f"{TARGET_MODULE}.{CONTEXT_CLASS}"]
+    problems = [] if hasattr(module, "_get_mamba_spec_for_layer") else [
+        f"{TARGET_MODULE}._get_mamba_spec_for_layer"]
+    problems += [f"{TARGET_MODULE}.{CONTEXT_CLASS}.{name}" for name in CONTEXT_METHODS
+                 if not callable(getattr(context, name, None))]
+    fields = getattr(context, "__dataclass_fields__", {})
+    problems += [f"{TARGET_MODULE}.{CONTEXT_CLASS} field {name}"
+                 for name in ("block_size", "mamba_group_ids", "num_accepted_tokens_out",
+                              "aligned_state_indices", "is_initialized")
+                 if name not in fields]
+    return problems
+
+
+#: vLLM 0.26 (and older) give every Mamba layer one tuple of copy functions and their
+#: ``MambaSpecDecodeGPUContext`` is an earlier design (no ``compute_aligned_state_indices``,
+#: no ``aligned_state_indices``, no ``_get_mamba_spec_for_layer``); there only the V1 scalar
+#: copy path is routed, and the fused spec-decode kernels stay vLLM's.
+SCALAR_PATH_ONLY = version_allows("<0.30")
+
+
+def limitation() -> str | None:
+    """What this patch leaves to vLLM on this version (doctor shows it beside ``applied``)."""
+    try:
+        module = _module()
+    except Exception:
+        return None
+    if not SCALAR_PATH_ONLY:
+        return None
+    lacking = _context_problems(module)
+    return ("only the V1 scalar copy path is routed; vLLM's fused spec-decode kernels "
+            f"(MambaSpecDecodeGPUContext) are left alone: this vLLM lacks {', '.join(lacking)}"
+            if lacking else "only the V1 scalar copy path is routed")
+
+
+def _layer_copy_funcs(module: Any, copy_funcs: Any, group: Any, layer_name: str) -> Any:
+    """The copy functions of one layer: by the layer's Mamba type (0.30+), or the one tuple
+    every layer shares (0.26)."""
+    if isinstance(copy_funcs, tuple):
+        return copy_funcs
+    return copy_funcs[module._get_mamba_spec_for_layer(group, layer_name).mamba_type]
 
 
 def _states_for(kv_cache_config: Any, copy_funcs: Any, group_ids: list[int],
@@ -118,8 +159,7 @@ def _states_for(kv_cache_config: Any, copy_funcs: Any, group_ids: list[int],
     for group_index, group_id in enumerate(group_ids):
         group = kv_cache_config.kv_cache_groups[group_id]
         for layer_name in group.layer_names:
-            spec = module._get_mamba_spec_for_layer(group, layer_name)
-            funcs = copy_funcs[spec.mamba_type]
+            funcs = _layer_copy_funcs(module, copy_funcs, group, layer_name)
             known = known and all(f in kinds for f in funcs)
             if known:
                 tensors = forward_context[layer_name].kv_cache
@@ -398,6 +438,8 @@ def apply() -> None:
             continue
         _ORIGINALS[name] = current
         setattr(module, name, replacement)
+    if SCALAR_PATH_ONLY:
+        return
     context = getattr(module, CONTEXT_CLASS)
     for name, method in _CONTEXT_REPLACEMENTS.items():
         current = context.__dict__.get(name, getattr(context, name))

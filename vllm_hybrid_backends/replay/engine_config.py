@@ -136,6 +136,9 @@ def vllm_config_for(shape: ModelShape, *, num_spec_tokens: int = 0) -> Any:
             "method": "ngram", "num_speculative_tokens": num_spec_tokens,
             "prompt_lookup_max": 4, "prompt_lookup_min": 2,
         }
+    if "language_model_only" in getattr(EngineArgs, "__dataclass_fields__", {}):
+        # vLLM 0.26 serves Qwen3.5 through its multimodal class; the harness is text-only
+        kwargs["language_model_only"] = True
     with _no_general_plugins(), _host_independent_platform():
         config = EngineArgs(**kwargs).create_engine_config()
     _VLLM_CONFIGS[key] = config
@@ -203,8 +206,7 @@ def _layer_specs(shape: ModelShape, layout: KVLayout) -> dict[str, Any]:
                 page_size_padded=layout.mamba_page_padded,
                 mamba_type=MambaAttentionBackendEnum[state.kind], mamba_cache_mode="align",
                 num_speculative_blocks=layout.num_spec_tokens,
-                num_prefill_checkpoint_blocks=1 if checkpoint else 0,
-                prefill_checkpoint_alignment=1 if checkpoint else None,
+                **_prefill_checkpoint_fields(MambaSpec, checkpoint),
             )
     return specs
 
@@ -216,6 +218,15 @@ def vllm_has_prefix_match_unit() -> bool:
     from vllm.config import CacheConfig
 
     return any(f.name == "prefix_match_unit" for f in dataclasses.fields(CacheConfig))
+
+
+def _prefill_checkpoint_fields(spec_class: Any, checkpoint: bool) -> dict[str, Any]:
+    """``MambaSpec``'s prefill-checkpoint fields (0.30+); vLLM 0.26's spec has none."""
+    fields = getattr(spec_class, "__dataclass_fields__", {})
+    if "num_prefill_checkpoint_blocks" not in fields:
+        return {}
+    return {"num_prefill_checkpoint_blocks": 1 if checkpoint else 0,
+            "prefill_checkpoint_alignment": 1 if checkpoint else None}
 
 
 def _vllm_has_mamba2_checkpoint() -> bool:
@@ -289,8 +300,9 @@ def build_engine_setup(
     kv_config = _vllm_function("generate_scheduler_kv_cache_config")([worker_config])
     assert kv_config.num_blocks == layout.num_blocks, (kv_config.num_blocks, layout.num_blocks)
     cache.num_gpu_blocks = kv_config.num_blocks
+    # vLLM 0.26's specs have no prefix_cacheable: every group is cacheable there
     cacheable = [g.kv_cache_spec.block_size for g in kv_config.kv_cache_groups
-                 if g.kv_cache_spec.prefix_cacheable]
+                 if getattr(g.kv_cache_spec, "prefix_cacheable", True)]
     cache.block_size = min(cacheable or [g.kv_cache_spec.block_size
                                          for g in kv_config.kv_cache_groups])
     scheduler_block_size, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(

@@ -122,8 +122,8 @@ class FakeHybridWorker:
                              "preprocess_mamba uses one Mamba spec for all groups")
         self.block_size = sizes.pop()
         self.spec = specs[0]
-        self.checkpoint_alignment = self.spec.prefill_checkpoint_alignment \
-            if self.spec.num_prefill_checkpoint_blocks > 0 else None
+        self.checkpoint_alignment = getattr(self.spec, "prefill_checkpoint_alignment", None) \
+            if getattr(self.spec, "num_prefill_checkpoint_blocks", 0) > 0 else None  # 0.30+
         # the groups the KV-cache manager gives interior blocks (the engine's own decision)
         from ..patches.patch_vllm_v1_core_kv_cache_coordinator import stores_interior
 
