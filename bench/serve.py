@@ -22,6 +22,16 @@ texts **and the answers the server streamed back**, plus a new user text; greedy
 (``temperature=0``), ``--max-tokens`` answer tokens (``ignore_eos``).  TTFT is the time to the
 first streamed content, TPOT the mean gap between later tokens.
 
+Workload ``prefix_repetition`` and ``timed_trace``: ``vllm bench serve``'s own code, in-process.
+``timed_trace`` replays a generated production-style trace (:func:`trace_requests`) in
+Mooncake's format; the process re-executes itself with a fixed ``PYTHONHASHSEED`` first (the
+trace's prompt tokens are drawn from Python's string hash).
+
+Multiturn answers are compared with a no-cache server's (upstream, prefix caching off) for the
+very same requests by :func:`judge_answer` (``--no-reference`` skips it).  ``--kv-cache-bytes``
+shrinks every server's KV cache so that it evicts; ``--hybrid-stats`` adds the plugin's own
+counters (``VLLM_HYBRID_STATS=1``).
+
 Progress goes to stderr; ``--json`` prints the result object on stdout.
 """
 
@@ -34,6 +44,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import statistics
@@ -68,6 +79,7 @@ def progress(msg: str) -> None:
 
 # --- /metrics ---------------------------------------------------------------------------------
 
+_BACKEND_CHOSEN = re.compile(r"^\(([^)]*pid=\d+)\).*hybrid_backends: using backend", re.M)
 _KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -215,6 +227,14 @@ class Server:
         except ProcessLookupError:
             pass
         self.proc.wait()
+
+    def backend_processes(self) -> list[str]:
+        """The processes whose log says the plugin selected its backend (one per worker)."""
+        seen = []
+        for m in _BACKEND_CHOSEN.finditer(self.log()):
+            if m.group(1) not in seen:
+                seen.append(m.group(1))
+        return seen
 
     def kv_cache_tokens(self) -> int | None:
         """The KV cache size the engine reports at start-up, in tokens."""
@@ -581,7 +601,8 @@ def serve_once(policy: str, name: str, model: Path, dtype: str, args: argparse.N
                ) -> dict[str, Any]:
     """Start one server, drive it with workload ``name``, stop it; its summary."""
     stats = {"VLLM_HYBRID_STATS": "1"} if args.hybrid_stats and policy == "plugin" else {}
-    server = Server(policy, model, dtype, kv_bytes=args.kv_cache_bytes, extra_env=stats)
+    server = Server(policy, model, dtype, kv_bytes=args.kv_cache_bytes, extra_env=stats,
+                    extra_args=shlex.split(args.server_args))
     progress(f"{name}: starting the {policy} server")
     t0 = time.perf_counter()
     server.start()
@@ -599,6 +620,7 @@ def serve_once(policy: str, name: str, model: Path, dtype: str, args: argparse.N
     summary["server_hit"] = hit_rate(parse_metrics(before), parse_metrics(after))
     summary["server_errors"], summary["shutdown_errors"] = server.errors()
     summary["kv_cache_tokens"] = server.kv_cache_tokens()
+    summary["backend_processes"] = server.backend_processes()
     if stats:
         was = hybrid_counters(before)
         summary["hybrid"] = {k: v - was.get(k, 0.0) for k, v in hybrid_counters(after).items()}
@@ -639,6 +661,8 @@ def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -
               for p, u in zip(runs["plugin"], runs["upstream"], strict=True)]
     out = {
         "workload": name,
+        "server_args": args.server_args,
+        "plugin_backend_processes": [r["backend_processes"] for r in runs["plugin"]],
         "kv_cache_bytes": args.kv_cache_bytes,
         "kv_cache_tokens": runs["plugin"][0]["kv_cache_tokens"],
         "policies": {p: _merge(r) for p, r in runs.items()},
@@ -717,6 +741,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="--kv-cache-memory-bytes of every server (small: a run that evicts)")
     parser.add_argument("--hybrid-stats", action="store_true",
                         help="VLLM_HYBRID_STATS=1 on the plugin server; report its counters")
+    parser.add_argument("--server-args", default="",
+                        help="more arguments for every server, e.g. '--tensor-parallel-size 2'")
     parser.add_argument("--no-reference", dest="reference", action="store_false",
                         help="multiturn: skip the no-cache server and the identity check")
     parser.add_argument("--tie-tolerance", type=float, default=TIE_TOLERANCE,
@@ -740,7 +766,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown workload(s) {unknown}; allowed: {', '.join(WORKLOADS)}")
     if "timed_trace" in workloads and os.environ.get("PYTHONHASHSEED") != TRACE_HASH_SEED:
         # timed_trace draws each block's tokens from hash(str): fixed only with a fixed seed
-        os.execve(sys.executable, [sys.executable, *sys.argv],
+        os.execve(sys.executable, [sys.executable, __file__,
+                                   *(sys.argv[1:] if argv is None else argv)],
                   dict(os.environ, PYTHONHASHSEED=TRACE_HASH_SEED))
     model = save_tokenizer(build_model(args.model))
     dtype = entry_for_dir(model)["dtype"]

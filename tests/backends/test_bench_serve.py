@@ -256,6 +256,21 @@ def test_kv_cache_tokens_from_the_engine_log(bench, tmp_path):
     assert server.kv_cache_tokens() is None
 
 
+def test_backend_processes_one_per_worker(bench, tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(EngineCore pid=5) INFO 11-25 20:25:48 [__init__.py:120] hybrid_backends: engine "
+        "patches on vLLM 0.32.0 (pid 5): applied patch_vllm_platforms\n"
+        "(Worker_TP0 pid=7) INFO 11-25 20:26:38 [plugins.py:181] hybrid_backends: using backend "
+        "'cpu' (requested auto, device cpu)\n"
+        "(Worker_TP1 pid=8) INFO 11-25 20:26:38 [plugins.py:181] hybrid_backends: using backend "
+        "'cpu' (requested auto, device cpu)\n"
+        "(Worker_TP0 pid=7) INFO 11-25 20:26:39 [plugins.py:181] hybrid_backends: using backend "
+        "'cpu' (requested auto, device cpu)\n")
+    server = bench.Server("plugin", tmp_path, "bfloat16", log_path=log)
+    assert server.backend_processes() == ["Worker_TP0 pid=7", "Worker_TP1 pid=8"]
+
+
 def test_hybrid_counters_keep_kind_and_reason(bench):
     text = "\n".join([
         "# TYPE vllm:hybrid_evicted_total counter",
