@@ -417,10 +417,14 @@ def identity_counts(turns: list[dict[str, Any]], reference: dict[str, list[Answe
     counts = {"equal": 0, "near_tie": 0, "mismatch": 0}
     details = []
     for turn in turns:
-        res = judge_answer(reference[_request_key(turn["messages"])], turn["tokens"], tolerance)
+        ref = reference[_request_key(turn["messages"])]
+        res = judge_answer(ref, turn["tokens"], tolerance)
         counts[res["verdict"]] += 1
-        if res["verdict"] != "equal":
-            details.append({"conversation": turn["conversation"], "turn": turn["turn"], **res})
+        i = res["index"]
+        if res["verdict"] != "equal":  # enough to judge again at another tolerance
+            details.append({"conversation": turn["conversation"], "turn": turn["turn"], **res,
+                            "token": turn["tokens"][i] if i < len(turn["tokens"]) else None,
+                            "reference_top2": list(ref[i].top) if i < len(ref) else None})
     return {**counts, "not_equal": details}
 
 

@@ -73,6 +73,7 @@ def test_percentile_interpolates(bench):
 @pytest.mark.parametrize(("argv", "message"), [
     pytest.param(["--max-tokens", "8"], "--max-tokens 8: allowed 32..256", id="max-tokens"),
     pytest.param(["--kv-cache-bytes", "0"], "--kv-cache-bytes 0: allowed > 0", id="kv-bytes"),
+    pytest.param(["--start-timeout", "0"], "--start-timeout 0.0: allowed > 0", id="start-timeout"),
     pytest.param(["--tie-tolerance", "-0.5"], "--tie-tolerance -0.5: allowed >= 0",
                  id="tie-tolerance"),
     pytest.param(["--workloads", "sharegpt"], "unknown workload(s) ['sharegpt']; allowed: "
@@ -241,6 +242,9 @@ def test_identity_counts_use_the_reference_for_the_same_request(bench):
     assert (res["equal"], res["near_tie"], res["mismatch"]) == (1, 1, 1)
     assert [(d["conversation"], d["turn"], d["verdict"]) for d in res["not_equal"]] == [
         (0, 0, "near_tie"), (0, 1, "mismatch")]
+    # enough kept to judge again at another tolerance
+    assert res["not_equal"][1]["token"] == "t9"
+    assert res["not_equal"][1]["reference_top2"] == [("t4", -0.1), ("t9", -4.0)]
 
 
 # --- evicting runs: KV size and the plugin's counters ---------------------------------------------
