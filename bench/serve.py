@@ -22,6 +22,16 @@ texts **and the answers the server streamed back**, plus a new user text; greedy
 (``temperature=0``), ``--max-tokens`` answer tokens (``ignore_eos``).  TTFT is the time to the
 first streamed content, TPOT the mean gap between later tokens.
 
+Workload ``prefix_repetition`` and ``timed_trace``: ``vllm bench serve``'s own code, in-process.
+``timed_trace`` replays a generated production-style trace (:func:`trace_requests`) in
+Mooncake's format; the process re-executes itself with a fixed ``PYTHONHASHSEED`` first (the
+trace's prompt tokens are drawn from Python's string hash).
+
+Multiturn answers are compared with a no-cache server's (upstream, prefix caching off) for the
+very same requests by :func:`judge_answer` (``--no-reference`` skips it).  ``--kv-cache-bytes``
+shrinks every server's KV cache so that it evicts; ``--hybrid-stats`` adds the plugin's own
+counters (``VLLM_HYBRID_STATS=1``).
+
 Progress goes to stderr; ``--json`` prints the result object on stdout.
 """
 
@@ -34,6 +44,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import statistics
@@ -42,7 +53,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +61,9 @@ from vllm_hybrid_backends.testing.model_zoo import VOCAB_SIZE, build_model, entr
 from vllm_hybrid_backends.testing.tokenizer import ids_to_text, save_tokenizer
 
 POLICIES = ("plugin", "upstream")
-PLUGIN_ENV = {"plugin": "hybrid_backends", "upstream": ""}
+#: the greedy reference: upstream with prefix caching off
+NOCACHE = "nocache"
+PLUGIN_ENV = {"plugin": "hybrid_backends", "upstream": "", NOCACHE: ""}
 MAX_MODEL_LEN = 4096
 KV_BYTES = 512 * 1024 * 1024
 HEALTH_TIMEOUT_S = 300.0
@@ -66,7 +79,10 @@ def progress(msg: str) -> None:
 
 # --- /metrics ---------------------------------------------------------------------------------
 
+_BACKEND_CHOSEN = re.compile(r"^\(([^)]*pid=\d+)\).*hybrid_backends: using backend", re.M)
+_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -92,6 +108,22 @@ def parse_metrics(text: str) -> dict[str, float]:
     return totals
 
 
+def hybrid_counters(text: str) -> dict[str, float]:
+    """The plugin's ``vllm:hybrid_*_total`` counters (``VLLM_HYBRID_STATS=1``) by kind or
+    reason, e.g. ``{"evicted{kind=decode}": 3.0}``, summed over engines."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or not m.group(1).startswith("vllm:hybrid_") \
+                or not m.group(1).endswith("_total"):
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        what = ",".join(f"{k}={labels[k]}" for k in ("kind", "reason") if k in labels)
+        key = f"{m.group(1)[len('vllm:hybrid_'):-len('_total')]}{{{what}}}"
+        out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
 def hit_rate(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
     """Prefix-cache token hit rate between two scrapes (``None`` when nothing was queried)."""
     queries = after.get(METRIC_QUERIES, 0.0) - before.get(METRIC_QUERIES, 0.0)
@@ -115,6 +147,8 @@ class Server:
     dtype: str
     kv_bytes: int = KV_BYTES
     extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+    health_timeout_s: float = HEALTH_TIMEOUT_S
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
@@ -128,20 +162,21 @@ class Server:
                 "--model", str(self.model), "--served-model-name", "zoo",
                 "--dtype", self.dtype, "--max-model-len", str(MAX_MODEL_LEN),
                 "--kv-cache-memory-bytes", str(self.kv_bytes), "--enforce-eager",
-                "--enable-prefix-caching", "--host", "127.0.0.1", "--port", str(self.port),
+                "--no-enable-prefix-caching" if self.policy == NOCACHE
+                else "--enable-prefix-caching", "--host", "127.0.0.1", "--port", str(self.port),
                 *self.extra_args]
 
     def start(self) -> None:
         import httpx
 
         self.port = self.port or free_port()
-        env = dict(os.environ, VLLM_PLUGINS=PLUGIN_ENV[self.policy])
+        env = dict(os.environ, VLLM_PLUGINS=PLUGIN_ENV[self.policy], **self.extra_env)
         fd, log = tempfile.mkstemp(prefix=f"serve-{self.policy}-", suffix=".log")
         self.log_path = Path(log)
         self.proc = subprocess.Popen(self.command(), env=env, stdout=fd, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         os.close(fd)
-        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        deadline = time.monotonic() + self.health_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.policy} server exited with {self.proc.returncode} "
@@ -154,7 +189,8 @@ class Server:
                 pass
             time.sleep(1)
         self.stop()
-        raise RuntimeError(f"{self.policy} server: no /health within {HEALTH_TIMEOUT_S:.0f} s")
+        raise RuntimeError(f"{self.policy} server: no /health within "
+                           f"{self.health_timeout_s:.0f} s (--start-timeout)")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
@@ -169,13 +205,14 @@ class Server:
             raise RuntimeError(f"{self.policy} server: the plugin {state} (its log says so):\n"
                                f"{self.log_tail()}")
 
-    def metrics(self, dump: Path | None = None) -> dict[str, float]:
+    def metrics(self, dump: Path | None = None) -> str:
+        """The ``/metrics`` text (also written to ``dump``)."""
         import httpx
 
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         if dump is not None:
             dump.write_text(text)
-        return parse_metrics(text)
+        return str(text)
 
     def stop(self) -> None:
         """SIGINT, wait; then SIGKILL the whole process group so no worker outlives it."""
@@ -192,6 +229,19 @@ class Server:
         except ProcessLookupError:
             pass
         self.proc.wait()
+
+    def backend_processes(self) -> list[str]:
+        """The processes whose log says the plugin selected its backend (one per worker)."""
+        seen = []
+        for m in _BACKEND_CHOSEN.finditer(self.log()):
+            if m.group(1) not in seen:
+                seen.append(m.group(1))
+        return seen
+
+    def kv_cache_tokens(self) -> int | None:
+        """The KV cache size the engine reports at start-up, in tokens."""
+        m = _KV_TOKENS.search(self.log())
+        return int(m.group(1).replace(",", "")) if m else None
 
     def errors(self) -> tuple[list[str], list[str]]:
         """Error lines while serving, and during shutdown: on SIGINT vLLM 0.32 aborts with
@@ -218,6 +268,14 @@ def make_conversations(n: int, turns: int, *, system_len: int, turn_len: int,
             for _ in range(n)]
 
 
+@dataclass(frozen=True)
+class AnswerToken:
+    """One generated token and the server's top-2 candidates there, best first."""
+
+    token: str
+    top: tuple[tuple[str, float], ...]
+
+
 @dataclass
 class TurnResult:
     conversation: int
@@ -227,15 +285,29 @@ class TurnResult:
     latency_s: float
     output_tokens: int
     text: str
+    messages: list[dict[str, str]] = field(default_factory=list)
+    tokens: list[AnswerToken] = field(default_factory=list)
+
+
+def parse_logprobs(entries: Iterable[dict[str, Any]]) -> list[AnswerToken]:
+    """``choices[].logprobs.content`` of a chat completion (streamed or not)."""
+    out = []
+    for entry in entries:
+        top = sorted(((t["token"], float(t["logprob"])) for t in entry.get("top_logprobs") or ()),
+                     key=lambda t: -t[1])
+        out.append(AnswerToken(entry["token"], tuple(top)))
+    return out
 
 
 async def _chat_turn(client: Any, messages: list[dict[str, str]], max_tokens: int
-                     ) -> tuple[float, float | None, float, int, str]:
+                     ) -> tuple[float, float | None, float, int, str, list[AnswerToken]]:
     body = {"model": "zoo", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
+            "logprobs": True, "top_logprobs": 2}
     start = time.perf_counter()
     stamps: list[float] = []
     pieces: list[str] = []
+    answer: list[AnswerToken] = []
     tokens = 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -247,6 +319,7 @@ async def _chat_turn(client: Any, messages: list[dict[str, str]], max_tokens: in
             if chunk.get("usage"):
                 tokens = int(chunk["usage"]["completion_tokens"])
             for choice in chunk.get("choices", []):
+                answer += parse_logprobs((choice.get("logprobs") or {}).get("content") or ())
                 content = choice.get("delta", {}).get("content")
                 if content:
                     stamps.append(time.perf_counter())
@@ -256,7 +329,7 @@ async def _chat_turn(client: Any, messages: list[dict[str, str]], max_tokens: in
         raise RuntimeError("the server streamed no content")
     ttft = stamps[0] - start
     tpot = (end - stamps[0]) / (tokens - 1) if tokens > 1 else None
-    return ttft, tpot, end - start, tokens, "".join(pieces)
+    return ttft, tpot, end - start, tokens, "".join(pieces), answer
 
 
 async def run_multiturn(url: str, conversations: list[list[str]], *, max_tokens: int,
@@ -271,13 +344,186 @@ async def run_multiturn(url: str, conversations: list[list[str]], *, max_tokens:
             messages: list[dict[str, str]] = []
             for ti, text in enumerate(user_texts):
                 messages.append({"role": "user", "content": text})
-                ttft, tpot, lat, ntok, answer = await _chat_turn(client, messages, max_tokens)
-                results.append(TurnResult(ci, ti, ttft, tpot, lat, ntok, answer))
+                ttft, tpot, lat, ntok, answer, toks = await _chat_turn(client, messages,
+                                                                       max_tokens)
+                results.append(TurnResult(ci, ti, ttft, tpot, lat, ntok, answer,
+                                          [dict(m) for m in messages], toks))
                 messages.append({"role": "assistant", "content": answer})
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await asyncio.gather(*(one(i, c, client) for i, c in enumerate(conversations)))
     return sorted(results, key=lambda r: (r.conversation, r.turn))
+
+
+# --- greedy identity against a no-cache server ------------------------------------------------
+
+#: A first divergence where the reference's top-2 logprobs are at most this far apart is a
+#: near-tie. The gap of two logprobs is the gap of two bf16 logits; the zoo's logits are scaled
+#: to magnitudes of ~10-50, where bf16 steps are 0.0625-0.25: measured gaps were 0, 0.125, 0.25.
+TIE_TOLERANCE = 0.25
+
+
+def judge_answer(reference: list[AnswerToken], answer: list[str], tolerance: float
+                 ) -> dict[str, Any]:
+    """Compare a greedy answer with the no-cache server's answer to the same request.
+
+    ``equal``: the same tokens.  ``near_tie``: at the first token where they differ, the
+    answer's token is one of the reference's top two and the reference's top-2 logprob gap is
+    at most ``tolerance`` (a bf16 near-tie, not a defect).  ``mismatch``: anything else,
+    including a different length.  Later tokens are not judged: after a divergence the two
+    continue from different text.
+    """
+    if tolerance < 0:
+        raise ValueError(f"tolerance {tolerance!r}: allowed >= 0 (a logprob gap in nats)")
+    ref = [t.token for t in reference]
+    index = next((i for i, (a, b) in enumerate(zip(ref, answer, strict=False)) if a != b), None)
+    if index is None:
+        verdict = "equal" if len(ref) == len(answer) else "mismatch"
+        return {"verdict": verdict, "index": None if verdict == "equal" else min(
+            len(ref), len(answer)), "gap": None}
+    top = reference[index].top
+    if len(top) < 2:
+        raise ValueError(f"reference token {index} has {len(top)} top logprobs; "
+                         "the reference must be asked for top_logprobs >= 2")
+    gap = top[0][1] - top[1][1]
+    tie = gap <= tolerance and answer[index] in (top[0][0], top[1][0])
+    return {"verdict": "near_tie" if tie else "mismatch", "index": index, "gap": gap}
+
+
+def _request_key(messages: list[dict[str, str]]) -> str:
+    return json.dumps(messages, sort_keys=True)
+
+
+def drive_reference(server: Server, requests: Iterable[list[dict[str, str]]], max_tokens: int
+                    ) -> dict[str, list[AnswerToken]]:
+    """The no-cache server's greedy answer to each distinct request, one request at a time."""
+    import httpx
+
+    unique = {_request_key(m): m for m in requests}
+
+    async def run() -> dict[str, list[AnswerToken]]:
+        out = {}
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+            for key, messages in unique.items():
+                out[key] = (await _chat_turn(client, messages, max_tokens))[5]
+        return out
+
+    return asyncio.run(run())
+
+
+def identity_counts(turns: list[dict[str, Any]], reference: dict[str, list[AnswerToken]],
+                    tolerance: float) -> dict[str, Any]:
+    """Verdict counts of one server's answers against the reference, plus each non-equal one."""
+    counts = {"equal": 0, "near_tie": 0, "mismatch": 0}
+    details = []
+    for turn in turns:
+        ref = reference[_request_key(turn["messages"])]
+        res = judge_answer(ref, turn["tokens"], tolerance)
+        counts[res["verdict"]] += 1
+        i = res["index"]
+        if res["verdict"] != "equal":  # enough to judge again at another tolerance
+            details.append({"conversation": turn["conversation"], "turn": turn["turn"], **res,
+                            "token": turn["tokens"][i] if i < len(turn["tokens"]) else None,
+                            "reference_top2": list(ref[i].top) if i < len(ref) else None})
+    return {**counts, "not_equal": details}
+
+
+# --- timed_trace: a production-style hash-block trace (Mooncake format) --------------------
+
+TRACE_BLOCK = 512  # Mooncake's hash block; ``--timed-trace-chunk-hash-size`` must match
+TRACE_HASH_SEED = "0"  # timed_trace seeds each block's tokens from ``hash(str)``
+
+
+@dataclass(frozen=True)
+class TraceShape:
+    """How the generated trace looks; the defaults load the 2-core CPU server without drowning
+    it (about 0.3 requests/s, bursts of 2-3 requests, prompts up to ~2 300 tokens)."""
+
+    sessions: int = 8
+    system_prompts: int = 2
+    system_blocks: int = 2
+    turns: tuple[int, int] = (2, 4)
+    user_tokens: tuple[int, int] = (100, 300)
+    output_tokens: tuple[int, int] = (32, 96)
+    branch_prob: float = 0.3
+    session_gap_s: float = 8.0
+    think_s: tuple[float, float] = (3.0, 12.0)
+    max_input: int = MAX_MODEL_LEN - 256
+
+
+def make_timed_trace(shape: TraceShape = TraceShape(), seed: int = 0) -> list[dict[str, Any]]:
+    """:func:`trace_requests` in Mooncake's four fields."""
+    keys = ("timestamp", "input_length", "output_length", "hash_ids")
+    return [{k: r[k] for k in keys} for r in trace_requests(shape, seed)]
+
+
+def trace_requests(shape: TraceShape = TraceShape(), seed: int = 0) -> list[dict[str, Any]]:
+    """A deterministic Mooncake-format trace: ``timestamp`` (ms), ``input_length``,
+    ``output_length``, ``hash_ids`` (one id per 512-token block, the last one possibly partial).
+
+    Sessions arrive ``session_gap_s`` apart on average (exponential gaps); each opens with one
+    of ``system_prompts`` shared system prompts (the first twice as popular as the next, and so
+    on), and each next turn, ``think_s`` after the previous one, carries the previous prompt,
+    its answer and a new user text.  As in Mooncake, a block is shared only when all of it is:
+    the previous prompt's full blocks keep their ids, the rest (its partial last block, the
+    answer, the new text) gets new ids.  With ``branch_prob`` a session also forks: a request
+    that leaves it after one of its earlier turns (an edited or regenerated message), sharing
+    that turn's full blocks only.  Each row also says where it comes from: ``session``,
+    ``turn`` and, for a branch, ``branch_of`` (the turn it leaves after).
+    """
+    rng = random.Random(seed)
+    next_id = 0
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        return ids
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // TRACE_BLOCK)
+
+    systems = [fresh(shape.system_blocks) for _ in range(shape.system_prompts)]
+    weights = [1.0 / (i + 1) for i in range(shape.system_prompts)]
+    rows: list[dict[str, Any]] = []
+    start = 0.0
+    for session in range(shape.sessions):
+        start += rng.expovariate(1.0 / shape.session_gap_s)
+        system = rng.choices(systems, weights)[0]
+        ids, length, t = list(system), len(system) * TRACE_BLOCK, start
+        history: list[tuple[list[int], int]] = []  # (full block ids, tokens) after each turn
+        for turn in range(rng.randint(*shape.turns)):
+            # only the previous prompt's full blocks carry over: the block its answer completes
+            # holds tokens (the server's answer) no earlier prompt had
+            full = length // TRACE_BLOCK if turn == 0 else history[-1][1] // TRACE_BLOCK
+            length += rng.randint(*shape.user_tokens)
+            if length > shape.max_input:
+                break
+            ids = ids[:full] + fresh(blocks(length) - full)
+            out = rng.randint(*shape.output_tokens)
+            rows.append({"t": t, "input_length": length, "output_length": out,
+                         "hash_ids": list(ids), "session": session, "turn": turn,
+                         "branch_of": None})
+            history.append((ids[:length // TRACE_BLOCK], length))
+            if turn and rng.random() < shape.branch_prob:
+                parent = rng.randrange(turn)
+                kept, kept_len = history[parent]
+                fork_len = min(kept_len + rng.randint(*shape.user_tokens), shape.max_input)
+                rows.append({"t": t + rng.uniform(*shape.think_s) / 2, "input_length": fork_len,
+                             "output_length": rng.randint(*shape.output_tokens),
+                             "hash_ids": kept + fresh(blocks(fork_len) - len(kept)),
+                             "session": session, "turn": turn, "branch_of": parent})
+            length += out
+            t += rng.uniform(*shape.think_s)
+    rows.sort(key=lambda r: r["t"])
+    for r in rows:
+        r["timestamp"] = round(r.pop("t") * 1e3)
+    return rows
+
+
+def write_trace(rows: list[dict[str, Any]], path: Path) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 # --- statistics and the run -------------------------------------------------------------------
@@ -309,6 +555,9 @@ def drive_multiturn(server: Server, args: argparse.Namespace) -> dict[str, Any]:
                                       concurrency=args.concurrency))
     summary = summarize(turns, time.perf_counter() - t1)
     summary["answers"] = [t.text for t in turns]
+    summary["turns"] = [{"conversation": t.conversation, "turn": t.turn,
+                         "messages": t.messages, "tokens": [a.token for a in t.tokens]}
+                        for t in turns]
     return summary
 
 
@@ -316,15 +565,21 @@ def bench_serve_argv(name: str, server: Server, args: argparse.Namespace) -> lis
     """Arguments of ``vllm bench serve`` for the ``vllm bench serve`` workloads."""
     common = ["--backend", "openai", "--base-url", server.url, "--model", "zoo",
               "--tokenizer", str(server.model), "--temperature", "0", "--ignore-eos",
-              "--seed", str(args.seed), "--max-concurrency", str(args.concurrency),
+              "--seed", str(args.seed),
               "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
+    if name == "timed_trace":  # arrivals come from the trace, not a concurrency cap
+        return [*common, "--dataset-name", "timed_trace", "--dataset-path",
+                str(args.trace_path), "--timed-trace-chunk-hash-size", str(TRACE_BLOCK),
+                "--timed-trace-sec-multiplier", "0.001",  # the trace's timestamps are ms
+                "--num-prompts", str(args.trace_requests)]
     if name == "prefix_repetition":
         return [*common, "--dataset-name", "prefix_repetition",
                 "--prefix-repetition-prefix-len", str(max(args.system_len, 1024)),
                 "--prefix-repetition-suffix-len", str(args.turn_len),
                 "--prefix-repetition-num-prefixes", "2",
                 "--prefix-repetition-output-len", str(args.max_tokens),
-                "--num-prompts", str(args.conversations * args.turns), "--request-rate", "inf"]
+                "--num-prompts", str(args.conversations * args.turns), "--request-rate", "inf",
+                "--max-concurrency", str(args.concurrency)]
     raise ValueError(f"unknown vllm bench serve workload {name!r}")
 
 
@@ -347,38 +602,78 @@ def drive_bench_serve(name: str, server: Server, args: argparse.Namespace) -> di
             "output_tokens": out["total_output_tokens"], "answers": []}
 
 
-WORKLOADS = ("multiturn", "prefix_repetition")
+WORKLOADS = ("multiturn", "prefix_repetition", "timed_trace")
+
+
+def serve_once(policy: str, name: str, model: Path, dtype: str, args: argparse.Namespace
+               ) -> dict[str, Any]:
+    """Start one server, drive it with workload ``name``, stop it; its summary."""
+    stats = {"VLLM_HYBRID_STATS": "1"} if args.hybrid_stats and policy == "plugin" else {}
+    server = Server(policy, model, dtype, kv_bytes=args.kv_cache_bytes, extra_env=stats,
+                    extra_args=shlex.split(args.server_args), health_timeout_s=args.start_timeout)
+    progress(f"{name}: starting the {policy} server")
+    t0 = time.perf_counter()
+    server.start()
+    try:
+        progress(f"{policy} server up after {time.perf_counter() - t0:.1f} s; driving it")
+        before = server.metrics()
+        if name == "multiturn":
+            summary = drive_multiturn(server, args)
+        else:
+            summary = drive_bench_serve(name, server, args)
+        dump = args.metrics_dump
+        after = server.metrics(Path(dump.format(policy=policy)) if dump else None)
+    finally:
+        server.stop()
+    summary["server_hit"] = hit_rate(parse_metrics(before), parse_metrics(after))
+    summary["server_errors"], summary["shutdown_errors"] = server.errors()
+    summary["kv_cache_tokens"] = server.kv_cache_tokens()
+    summary["backend_processes"] = server.backend_processes()
+    if stats:
+        was = hybrid_counters(before)
+        summary["hybrid"] = {k: v - was.get(k, 0.0) for k, v in hybrid_counters(after).items()}
+    progress(f"{policy}: mean TTFT {summary['ttft_mean_s'] * 1e3:.0f} ms, server hit "
+             f"rate {summary['server_hit']['rate']}")
+    return summary
+
+
+def reference_answers(runs: list[dict[str, Any]], model: Path, dtype: str,
+                      args: argparse.Namespace) -> dict[str, list[AnswerToken]]:
+    """Send every request the runs sent to a no-cache server (upstream, prefix caching off)."""
+    server = Server(NOCACHE, model, dtype, kv_bytes=args.kv_cache_bytes,
+                    extra_args=shlex.split(args.server_args), health_timeout_s=args.start_timeout)
+    progress("starting the no-cache reference server")
+    server.start()
+    try:
+        return drive_reference(server, (t["messages"] for r in runs for t in r["turns"]),
+                               args.max_tokens)
+    finally:
+        server.stop()
+        serving, _ = server.errors()
+        if serving:
+            raise RuntimeError(f"the no-cache server logged errors: {serving[:3]}")
 
 
 def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
+    identity: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
     for rep in range(args.repeats):
+        progress(f"{name}: repeat {rep + 1}/{args.repeats}")
         order = POLICIES if rep % 2 == 0 else POLICIES[::-1]
         for policy in order:
-            server = Server(policy, model, dtype)
-            progress(f"{name} repeat {rep + 1}/{args.repeats}: starting the {policy} server")
-            t0 = time.perf_counter()
-            server.start()
-            try:
-                progress(f"{policy} server up after {time.perf_counter() - t0:.1f} s; driving it")
-                before = server.metrics()
-                if name == "multiturn":
-                    summary = drive_multiturn(server, args)
-                else:
-                    summary = drive_bench_serve(name, server, args)
-                dump = args.metrics_dump
-                after = server.metrics(Path(dump.format(policy=policy)) if dump else None)
-            finally:
-                server.stop()
-            summary["server_hit"] = hit_rate(before, after)
-            summary["server_errors"], summary["shutdown_errors"] = server.errors()
-            runs[policy].append(summary)
-            progress(f"{policy}: mean TTFT {summary['ttft_mean_s'] * 1e3:.0f} ms, server hit "
-                     f"rate {summary['server_hit']['rate']}")
+            runs[policy].append(serve_once(policy, name, model, dtype, args))
+        if name == "multiturn" and args.reference:
+            ref = reference_answers([runs[p][-1] for p in POLICIES], model, dtype, args)
+            for p in POLICIES:
+                identity[p].append(identity_counts(runs[p][-1]["turns"], ref, args.tie_tolerance))
     ratios = [p["ttft_mean_s"] / u["ttft_mean_s"]
               for p, u in zip(runs["plugin"], runs["upstream"], strict=True)]
-    return {
+    out = {
         "workload": name,
+        "server_args": args.server_args,
+        "plugin_backend_processes": [r["backend_processes"] for r in runs["plugin"]],
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "kv_cache_tokens": runs["plugin"][0]["kv_cache_tokens"],
         "policies": {p: _merge(r) for p, r in runs.items()},
         "ttft_mean_ratio": statistics.fmean(ratios),
         "ttft_mean_ratio_runs": ratios,
@@ -388,6 +683,14 @@ def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -
             sum(a == b for a, b in zip(p["answers"], u["answers"], strict=True))
             for p, u in zip(runs["plugin"], runs["upstream"], strict=True)],
     }
+    if any(identity.values()):
+        out["identity_vs_nocache"] = {
+            "tolerance": args.tie_tolerance,
+            **{p: {v: sum(r[v] for r in rs) for v in ("equal", "near_tie", "mismatch")}
+               | {"runs": rs} for p, rs in identity.items()}}
+    if args.hybrid_stats:
+        out["hybrid_counters_plugin"] = [r.get("hybrid", {}) for r in runs["plugin"]]
+    return out
 
 
 def _merge(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -406,18 +709,25 @@ def _merge(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 
 def render_table(results: list[dict[str, Any]]) -> str:
-    lines = ["| workload | policy | TTFT mean ms | p50 | p99 | TPOT ms | req/s | server hit rate |",
-             "|---|---|---|---|---|---|---|---|"]
+    """Markdown table; the last column counts greedy answers vs the no-cache server as
+    equal / near-tie / mismatch (see :func:`judge_answer`)."""
+    lines = ["| workload | KV tokens | policy | TTFT mean ms | p50 | p99 | TPOT ms | req/s | "
+             "server hit rate | vs no-cache eq/tie/bad |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
+        head = f"| {res['workload']} | {res.get('kv_cache_tokens') or '-'} |"
+        identity = res.get("identity_vs_nocache", {})
         for policy, s in res["policies"].items():
             tpot = f"{s['tpot_mean_s'] * 1e3:.1f}" if s["tpot_mean_s"] is not None else "-"
             rate = f"{s['server_hit_rate']:.3f}" if s["server_hit_rate"] is not None else "-"
-            lines.append(f"| {res['workload']} | {policy} | {s['ttft_mean_s'] * 1e3:.0f} | "
+            ident = identity.get(policy)
+            same = f"{ident['equal']}/{ident['near_tie']}/{ident['mismatch']}" if ident else "-"
+            lines.append(f"{head} {policy} | {s['ttft_mean_s'] * 1e3:.0f} | "
                          f"{s['ttft_p50_s'] * 1e3:.0f} | {s['ttft_p99_s'] * 1e3:.0f} | {tpot} | "
-                         f"{s['req_per_s']:.2f} | {rate} |")
+                         f"{s['req_per_s']:.2f} | {rate} | {same} |")
         lo, hi = res["ttft_mean_ratio_spread"]
-        lines.append(f"| {res['workload']} | plugin/upstream TTFT | {res['ttft_mean_ratio']:.3f} "
-                     f"[{lo:.3f}, {hi:.3f}] | | | | | |")
+        lines.append(f"{head} plugin/upstream TTFT | {res['ttft_mean_ratio']:.3f} "
+                     f"[{lo:.3f}, {hi:.3f}] | | | | | | |")
     return "\n".join(lines)
 
 
@@ -436,16 +746,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--metrics-dump", default=None,
                         help="write the last /metrics text to this path ({policy} expands)")
+    parser.add_argument("--kv-cache-bytes", type=int, default=KV_BYTES,
+                        help="--kv-cache-memory-bytes of every server (small: a run that evicts)")
+    parser.add_argument("--hybrid-stats", action="store_true",
+                        help="VLLM_HYBRID_STATS=1 on the plugin server; report its counters")
+    parser.add_argument("--server-args", default="",
+                        help="more arguments for every server, e.g. '--tensor-parallel-size 2'")
+    parser.add_argument("--start-timeout", type=float, default=HEALTH_TIMEOUT_S,
+                        help="seconds a server may take to answer /health")
+    parser.add_argument("--no-reference", dest="reference", action="store_false",
+                        help="multiturn: skip the no-cache server and the identity check")
+    parser.add_argument("--tie-tolerance", type=float, default=TIE_TOLERANCE,
+                        help="top-2 logprob gap (nats) up to which a divergence is a near-tie")
+    parser.add_argument("--trace-sessions", type=int, default=TraceShape.sessions,
+                        help="timed_trace: sessions in the generated trace")
+    parser.add_argument("--trace-out", default=None,
+                        help="timed_trace: also keep the generated trace at this path")
     args = parser.parse_args(argv)
     if not 32 <= args.max_tokens <= 256:
         parser.error(f"--max-tokens {args.max_tokens}: allowed 32..256 (real decoding)")
+    if args.kv_cache_bytes <= 0:
+        parser.error(f"--kv-cache-bytes {args.kv_cache_bytes}: allowed > 0 (bytes)")
+    if args.start_timeout <= 0:
+        parser.error(f"--start-timeout {args.start_timeout}: allowed > 0 (seconds)")
+    if args.tie_tolerance < 0:
+        parser.error(f"--tie-tolerance {args.tie_tolerance}: allowed >= 0 (nats)")
+    if args.trace_sessions < 1:
+        parser.error(f"--trace-sessions {args.trace_sessions}: allowed >= 1")
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown workload(s) {unknown}; allowed: {', '.join(WORKLOADS)}")
+    if "timed_trace" in workloads and os.environ.get("PYTHONHASHSEED") != TRACE_HASH_SEED:
+        # timed_trace draws each block's tokens from hash(str): fixed only with a fixed seed
+        os.execve(sys.executable, [sys.executable, __file__,
+                                   *(sys.argv[1:] if argv is None else argv)],
+                  dict(os.environ, PYTHONHASHSEED=TRACE_HASH_SEED))
     model = save_tokenizer(build_model(args.model))
     dtype = entry_for_dir(model)["dtype"]
-    results = [run_workload(w, model, dtype, args) for w in workloads]
+    with tempfile.TemporaryDirectory(prefix="serve-trace-") as tmp:
+        trace = make_timed_trace(replace(TraceShape(), sessions=args.trace_sessions), args.seed)
+        args.trace_path = write_trace(trace, Path(args.trace_out or Path(tmp) / "trace.jsonl"))
+        args.trace_requests = len(trace)
+        results = [run_workload(w, model, dtype, args) for w in workloads]
     out = {"model": args.model, "max_tokens": args.max_tokens, "workloads": results}
     print(render_table(results), file=sys.stderr)
     if args.json:

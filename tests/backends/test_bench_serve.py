@@ -4,6 +4,7 @@ except in the opt-in smoke test at the end: ``VLLM_HYBRID_SERVE_SMOKE=1``, about
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -69,10 +70,221 @@ def test_percentile_interpolates(bench):
     assert bench.percentile([1.0, 2.0], 0.99) == pytest.approx(1.99)
 
 
-def test_bad_max_tokens_is_refused_with_the_allowed_range():
-    r = subprocess.run([sys.executable, str(BENCH), "--max-tokens", "8"], capture_output=True,
+@pytest.mark.parametrize(("argv", "message"), [
+    pytest.param(["--max-tokens", "8"], "--max-tokens 8: allowed 32..256", id="max-tokens"),
+    pytest.param(["--kv-cache-bytes", "0"], "--kv-cache-bytes 0: allowed > 0", id="kv-bytes"),
+    pytest.param(["--start-timeout", "0"], "--start-timeout 0.0: allowed > 0", id="start-timeout"),
+    pytest.param(["--tie-tolerance", "-0.5"], "--tie-tolerance -0.5: allowed >= 0",
+                 id="tie-tolerance"),
+    pytest.param(["--workloads", "sharegpt"], "unknown workload(s) ['sharegpt']; allowed: "
+                 "multiturn, prefix_repetition, timed_trace", id="workload"),
+])
+def test_bad_arguments_are_refused_with_what_is_allowed(argv, message):
+    r = subprocess.run([sys.executable, str(BENCH), *argv], capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
-    assert r.returncode == 2 and "--max-tokens 8: allowed 32..256" in r.stderr
+    assert r.returncode == 2 and message in r.stderr
+
+
+# --- timed_trace ------------------------------------------------------------------------------
+
+
+def test_trace_is_deterministic_and_mooncake_shaped(bench):
+    trace = bench.make_timed_trace(seed=3)
+    assert trace == bench.make_timed_trace(seed=3)
+    assert trace != bench.make_timed_trace(seed=4)
+    stamps = [r["timestamp"] for r in trace]
+    assert stamps == sorted(stamps) and all(isinstance(t, int) for t in stamps)
+    shape = bench.TraceShape()
+    for r in trace:
+        assert len(r["hash_ids"]) == -(-r["input_length"] // bench.TRACE_BLOCK)
+        assert r["input_length"] <= shape.max_input
+        assert shape.output_tokens[0] <= r["output_length"] <= shape.output_tokens[1]
+    # chained block hashes: an id always follows the same ids, and a partial last block is
+    # never shared (its tokens differ from any longer prompt's block there)
+    before: dict[int, list[int]] = {}
+    for r in trace:
+        ids = r["hash_ids"]
+        for k, h in enumerate(ids):
+            assert before.setdefault(h, ids[:k]) == ids[:k]
+    partial = [r["hash_ids"][-1] for r in trace if r["input_length"] % bench.TRACE_BLOCK]
+    used = [h for r in trace for h in r["hash_ids"]]
+    assert all(used.count(h) == 1 for h in partial)
+
+
+def test_trace_shares_system_prompts_turns_and_branches(bench):
+    shape = bench.TraceShape()
+    rows = bench.trace_requests(shape, seed=0)
+    firsts = {tuple(r["hash_ids"][:shape.system_blocks]) for r in rows}
+    assert len(firsts) == shape.system_prompts  # every request opens with a shared system prompt
+    turns = {(r["session"], r["turn"]): r for r in rows if r["branch_of"] is None}
+    branches = [r for r in rows if r["branch_of"] is not None]
+    assert branches and len({r["session"] for r in rows}) == shape.sessions
+    for (session, turn), r in turns.items():
+        if turn:  # a next turn keeps exactly the previous prompt's full blocks
+            prev = turns[(session, turn - 1)]
+            full = prev["input_length"] // bench.TRACE_BLOCK
+            assert len(_common(r["hash_ids"], prev["hash_ids"])) == full
+            assert r["input_length"] > prev["input_length"] + prev["output_length"]
+            assert r["timestamp"] > prev["timestamp"]
+    for b in branches:  # a branch keeps the full blocks of the turn it leaves after, no more
+        parent = turns[(b["session"], b["branch_of"])]
+        full = parent["input_length"] // bench.TRACE_BLOCK
+        for r in rows:
+            if r is not b:
+                assert len(_common(b["hash_ids"], r["hash_ids"])) <= full
+    assert [r["timestamp"] for r in rows] == [r["timestamp"] for r in bench.make_timed_trace(
+        shape, seed=0)]
+    span_s = (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1e3
+    assert 0.1 <= len(rows) / span_s <= 1.0  # loaded, not drowning, on the 2-core server
+
+
+def _common(a: list[int], b: list[int]) -> list[int]:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def test_vllm_timed_trace_reads_the_trace(bench, tmp_path):
+    """vLLM's own timed_trace loader, given bench/serve.py's arguments, turns shared hash ids
+    into shared prompt tokens and the millisecond timestamps into seconds."""
+    from vllm.benchmarks import serve as vllm_bench
+    from vllm.benchmarks.datasets.datasets import TimedTrace
+    from vllm.tokenizers import get_tokenizer
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_hybrid_backends.testing.tokenizer import save_tokenizer
+
+    trace = bench.make_timed_trace(seed=1)
+    save_tokenizer(tmp_path)
+    args_ns = argparse.Namespace(seed=0, concurrency=2, trace_path=bench.write_trace(
+        trace, tmp_path / "trace.jsonl"), trace_requests=len(trace))
+    server = bench.Server("plugin", tmp_path, "bfloat16", port=8000)
+    parser = FlexibleArgumentParser()
+    vllm_bench.add_cli_args(parser)
+    args = parser.parse_args(bench.bench_serve_argv("timed_trace", server, args_ns))
+    assert args.max_concurrency is None and args.num_prompts == len(trace)
+    samples = TimedTrace(**vars(args)).sample(get_tokenizer(str(tmp_path)), args.num_prompts)
+    assert len(samples) == len(trace)
+    for sample, row in zip(samples, trace, strict=True):
+        assert sample.prompt_len == row["input_length"] == len(sample.prompt)
+        assert sample.timestamp == pytest.approx(row["timestamp"] / 1e3)
+    by_block = bench.TRACE_BLOCK
+    for i, (a, ra) in enumerate(zip(samples, trace, strict=True)):
+        for b, rb in zip(samples[:i], trace[:i], strict=True):
+            shared = len(_common(ra["hash_ids"], rb["hash_ids"]))
+            full = min(shared, ra["input_length"] // by_block, rb["input_length"] // by_block)
+            assert a.prompt[:full * by_block] == b.prompt[:full * by_block]
+            if full < min(len(ra["hash_ids"]), len(rb["hash_ids"])):
+                end = (full + 1) * by_block
+                assert a.prompt[full * by_block:end] != b.prompt[full * by_block:end]
+
+
+# --- greedy identity against the no-cache server ------------------------------------------------
+
+
+def _ref(bench, *steps):
+    """Reference tokens: (token, [(candidate, logprob), ...])."""
+    return [bench.AnswerToken(tok, tuple(top)) for tok, top in steps]
+
+
+@pytest.mark.parametrize(("answer", "tolerance", "verdict", "index"), [
+    pytest.param(["a", "b", "c"], 0.1, "equal", None, id="equal"),
+    pytest.param(["a", "x", "y"], 0.1, "near_tie", 1, id="near-tie"),
+    pytest.param(["a", "x", "y"], 0.01, "mismatch", 1, id="gap-over-tolerance"),
+    pytest.param(["a", "z", "c"], 0.1, "mismatch", 1, id="not-in-top-2"),
+    pytest.param(["q", "b", "c"], 0.1, "mismatch", 0, id="clear-first-token"),
+    pytest.param(["a", "b"], 0.1, "mismatch", 2, id="shorter"),
+])
+def test_judge_answer_by_the_reference_top2_gap(bench, answer, tolerance, verdict, index):
+    ref = _ref(bench, ("a", [("a", -0.1), ("q", -3.0)]),
+               ("b", [("b", -0.70), ("x", -0.75)]),  # a near-tie: gap 0.05
+               ("c", [("c", -0.2), ("y", -2.0)]))
+    res = bench.judge_answer(ref, answer, tolerance)
+    assert (res["verdict"], res["index"]) == (verdict, index)
+    if verdict in ("near_tie", "mismatch") and index == 1:
+        assert res["gap"] == pytest.approx(0.05)
+
+
+def test_judge_answer_refuses_what_it_cannot_judge(bench):
+    ref = _ref(bench, ("a", [("a", -0.1)]))
+    with pytest.raises(ValueError, match="top_logprobs >= 2"):
+        bench.judge_answer(ref, ["b"], 0.1)
+    with pytest.raises(ValueError, match="tolerance -1: allowed >= 0"):
+        bench.judge_answer(ref, ["a"], -1)
+
+
+def test_logprobs_of_a_vllm_chat_chunk(bench):
+    """vLLM's own response model, dumped as the server sends it, parsed best-first."""
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionLogProb,
+        ChatCompletionLogProbs,
+        ChatCompletionLogProbsContent,
+    )
+
+    content = ChatCompletionLogProbs(content=[ChatCompletionLogProbsContent(
+        token="t7", logprob=-0.5, top_logprobs=[ChatCompletionLogProb(token="t9", logprob=-1.5),
+                                                ChatCompletionLogProb(token="t7", logprob=-0.5)])])
+    wire = json.loads(content.model_dump_json())
+    (tok,) = bench.parse_logprobs(wire["content"])
+    assert tok.token == "t7" and tok.top == (("t7", -0.5), ("t9", -1.5))
+
+
+def test_identity_counts_use_the_reference_for_the_same_request(bench):
+    m1 = [{"role": "user", "content": "t5 t6"}]
+    m2 = [*m1, {"role": "assistant", "content": "t7"}, {"role": "user", "content": "t8"}]
+    reference = {bench._request_key(m1): _ref(bench, ("t7", [("t7", -0.1), ("t3", -0.12)])),
+                 bench._request_key(m2): _ref(bench, ("t4", [("t4", -0.1), ("t9", -4.0)]))}
+    turns = [{"conversation": 0, "turn": 0, "messages": m1, "tokens": ["t3"]},
+             {"conversation": 0, "turn": 1, "messages": m2, "tokens": ["t9"]},
+             {"conversation": 1, "turn": 0, "messages": m1, "tokens": ["t7"]}]
+    res = bench.identity_counts(turns, reference, 0.1)
+    assert (res["equal"], res["near_tie"], res["mismatch"]) == (1, 1, 1)
+    assert [(d["conversation"], d["turn"], d["verdict"]) for d in res["not_equal"]] == [
+        (0, 0, "near_tie"), (0, 1, "mismatch")]
+    # enough kept to judge again at another tolerance
+    assert res["not_equal"][1]["token"] == "t9"
+    assert res["not_equal"][1]["reference_top2"] == [("t4", -0.1), ("t9", -4.0)]
+
+
+# --- evicting runs: KV size and the plugin's counters ---------------------------------------------
+
+
+def test_kv_cache_tokens_from_the_engine_log(bench, tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("(EngineCore pid=7) INFO 11-25 20:01:02 [kv_cache_utils.py:2328] CPU KV cache "
+                   "size: 6,912 tokens, Maximum concurrency for 4,096 tokens per request: 1.69x\n")
+    server = bench.Server("plugin", tmp_path, "bfloat16", log_path=log)
+    assert server.kv_cache_tokens() == 6912
+    log.write_text("no such line\n")
+    assert server.kv_cache_tokens() is None
+
+
+def test_backend_processes_one_per_worker(bench, tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(EngineCore pid=5) INFO 11-25 20:25:48 [__init__.py:120] hybrid_backends: engine "
+        "patches on vLLM 0.32.0 (pid 5): applied patch_vllm_platforms\n"
+        "(Worker_TP0 pid=7) INFO 11-25 20:26:38 [plugins.py:181] hybrid_backends: using backend "
+        "'cpu' (requested auto, device cpu)\n"
+        "(Worker_TP1 pid=8) INFO 11-25 20:26:38 [plugins.py:181] hybrid_backends: using backend "
+        "'cpu' (requested auto, device cpu)\n"
+        "(Worker_TP0 pid=7) INFO 11-25 20:26:39 [plugins.py:181] hybrid_backends: using backend "
+        "'cpu' (requested auto, device cpu)\n")
+    server = bench.Server("plugin", tmp_path, "bfloat16", log_path=log)
+    assert server.backend_processes() == ["Worker_TP0 pid=7", "Worker_TP1 pid=8"]
+
+
+def test_hybrid_counters_keep_kind_and_reason(bench):
+    text = "\n".join([
+        "# TYPE vllm:hybrid_evicted_total counter",
+        'vllm:hybrid_evicted_total{engine="0",kind="decode",model_name="zoo"} 3.0',
+        'vllm:hybrid_evicted_total{engine="1",kind="decode",model_name="zoo"} 2.0',
+        'vllm:hybrid_evicted_created{engine="0",kind="decode",model_name="zoo"} 1.7e9',
+        'vllm:hybrid_missed_tokens_total{engine="0",model_name="zoo",reason="evicted"} 256.0',
+        'vllm:prefix_cache_hits_total{engine="0",model_name="zoo"} 99.0'])
+    assert bench.hybrid_counters(text) == {"evicted{kind=decode}": 5.0,
+                                           "missed_tokens{reason=evicted}": 256.0}
 
 
 @pytest.mark.e2e
