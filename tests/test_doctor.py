@@ -102,3 +102,21 @@ def test_console_script_exit_code(tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2
     assert "not a ROCm/HIP build" in done.stderr
+
+
+def test_doctor_says_when_the_worker_handshake_happens_and_its_result(fresh_plugins, capsys):
+    from vllm_hybrid_backends import handshake, patches
+
+    handshake.reset()
+    try:
+        _, out, _ = run_doctor(capsys, "--json")
+        shake = json.loads(out)["worker_handshake"]
+        assert "engine start" in shake["when"] and shake["result"] is None  # doctor runs no engine
+        assert shake["features"] == {"interior_states": list(handshake.WORKER_FEATURES["interior_states"])}
+        refused = {name: patches.REFUSED for name in handshake.WORKER_FEATURES["interior_states"]}
+        handshake.establish(lambda method: [{"pid": 5, "patches": refused}])
+        _, out, _ = run_doctor(capsys)
+        assert "this engine: 1 worker(s); on: none" in out
+        assert "interior_states  only if every worker applied" in out
+    finally:
+        handshake.reset()

@@ -105,6 +105,20 @@ def _patch_statuses(version: str | None) -> list[dict[str, str]]:
     return statuses
 
 
+def _worker_handshake() -> dict[str, Any]:
+    """What the engine enables only after every worker reported the patches it needs, and the
+    result where this process ran an engine core's handshake (doctor itself runs none)."""
+    from . import handshake
+
+    support = handshake.current()
+    return {
+        "when": "at each engine start, before the scheduler is built "
+                "(EngineCore._initialize_kv_caches, patch_vllm_v1_engine_core)",
+        "features": {feature: list(needed) for feature, needed in handshake.WORKER_FEATURES.items()},
+        "result": support.to_json() if support.established else None,
+    }
+
+
 def doctor_report() -> tuple[dict[str, Any], int]:
     """Everything ``doctor`` prints, and its exit status (0 when a backend is selected)."""
     from . import plugins
@@ -134,6 +148,7 @@ def doctor_report() -> tuple[dict[str, Any], int]:
             "; ".join(f"{p['patch']} refused: {p['reason']}" for p in refused) or
             "every required patch can apply"),
         "patches": patch_statuses,
+        "worker_handshake": _worker_handshake(),
         "platform": _vllm_platform(),
         "device_kind": detect_device_kind().value,
         "selected_backend": None,
@@ -174,6 +189,13 @@ def _print_human(report: dict[str, Any]) -> None:
         for patch in report["patches"]:
             reason = f": {patch['reason']}" if patch["reason"] else ""
             print(f"  {patch['patch']:<58} {patch['process']:<6} {patch['state']}{reason}")
+    shake = report["worker_handshake"]
+    print(f"handshake: {shake['when']}; the engine enables")
+    for feature, needed in shake["features"].items():
+        print(f"  {feature:<16} only if every worker applied {', '.join(needed)}")
+    if shake["result"] is not None:
+        on = ", ".join(shake["result"]["features"]) or "none"
+        print(f"  this engine: {len(shake['result']['workers'])} worker(s); on: {on}")
     print(f"platform:  {report['platform']}   device kind: {report['device_kind']}")
     if report["selected_backend"]:
         print(f"backend:   {report['selected_backend']}  ({report['selection_reason']})")

