@@ -109,3 +109,43 @@ def test_engine_core_asks_the_workers_before_building_kv_caches(monkeypatch):
     assert EngineCore._initialize_kv_caches(fake_core, "config") == "kv config"
     assert order == ["handshake", ("kv caches", "config")]
     assert handshake.current().established
+
+
+def test_a_coordinator_subclass_defined_later_keeps_its_search_and_the_plugin_records_hits(monkeypatch):
+    """vllm-ascend's AscendHybridKVCacheCoordinator overrides find_longest_cache_hit (checked
+    against its real 0.23.0 / 0.26.0rc1 sources, tests/ascend_contract) and may be defined after
+    the plugin's patches applied: engine start wraps it; its own search runs, the hit is recorded
+    once, and revert restores it."""
+    module = coordinator_patch._module()
+    recorded = []
+    monkeypatch.setattr(coordinator_patch, "_record_hit",
+                        lambda self, result, hashes, limit: recorded.append(result) or result)
+    calls = []
+
+    def vllms_search(self, block_hashes, max_cache_hit_length):
+        calls.append("vllm")
+        return (), 42
+
+    # undone after revert(), which puts back what apply() found
+    monkeypatch.setattr(module.HybridKVCacheCoordinator, "find_longest_cache_hit", vllms_search)
+    coordinator_patch.apply()
+    try:
+
+        class LaterHybridCoordinator(module.HybridKVCacheCoordinator):
+            def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+                calls.append("subclass")
+                return super().find_longest_cache_hit(block_hashes, max_cache_hit_length)
+
+        own = vars(LaterHybridCoordinator)["find_longest_cache_hit"]
+        monkeypatch.setitem(engine_core_patch._ORIGINALS, "EngineCore._initialize_kv_caches",
+                            lambda self, config: None)
+        engine_core_patch._initialize_kv_caches(types.SimpleNamespace(collective_rpc=lambda m: []), None)
+        wrapped = vars(LaterHybridCoordinator)["find_longest_cache_hit"]
+        assert wrapped is not own and wrapped._hybrid_backends_wrapper
+        coordinator = LaterHybridCoordinator.__new__(LaterHybridCoordinator)  # no vLLM state needed
+        assert coordinator.find_longest_cache_hit([], 99) == ((), 42)
+        assert calls == ["subclass", "vllm"] and recorded == [((), 42)]
+        assert coordinator_patch.wrap_subclass_hit_searches() == []  # once
+    finally:
+        coordinator_patch.revert()
+    assert vars(LaterHybridCoordinator)["find_longest_cache_hit"] is own

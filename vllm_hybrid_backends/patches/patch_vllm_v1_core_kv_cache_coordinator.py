@@ -7,7 +7,9 @@ finished request's cached prefix from its end, all groups together.
   base's, so a wrapper on the base alone would never run), ``KVCacheCoordinator.free``,
   ``KVCacheCoordinator.remove_skipped_blocks``,
   ``KVCacheCoordinator.get_num_blocks_to_allocate``, ``KVCacheCoordinator.allocate_new_blocks``
-  and ``HybridKVCacheCoordinator.find_longest_cache_hit``.
+  and ``HybridKVCacheCoordinator.find_longest_cache_hit`` (and that of any subclass defined
+  outside vLLM that overrides it, such as vllm-ascend's ``AscendHybridKVCacheCoordinator``:
+  wrapped again at engine start, :func:`wrap_subclass_hit_searches`).
 - Why: with the default ``prefix_cache_retention_interval=0`` vLLM hashes (keeps) a Mamba state
   only at the prompt's replay boundary and a shared-prefix junction; every other state is freed
   unhashed, so the tail checkpoints the scheduler patch stops at, and the states crossed while
@@ -350,8 +352,74 @@ def _count_evictions(pool: Any, mamba_groups: set[int]) -> None:
 
 
 def find_longest_cache_hit(self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
-    result = _ORIGINALS["HybridKVCacheCoordinator.find_longest_cache_hit"](
-        self, block_hashes, max_cache_hit_length)
+    return _search_and_record(_ORIGINALS["HybridKVCacheCoordinator.find_longest_cache_hit"],
+                              self, block_hashes, max_cache_hit_length)
+
+
+#: True while a wrapped hit search runs: a subclass's override calling ``super()`` reaches the
+#: base wrapper, which then only delegates (the hit is recorded once, by the outermost).
+_searching: contextvars.ContextVar[bool] = contextvars.ContextVar("hybrid_searching", default=False)
+
+
+def _search_and_record(search: Any, self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
+    if _searching.get():
+        return search(self, block_hashes, max_cache_hit_length)
+    token = _searching.set(True)
+    try:
+        result = search(self, block_hashes, max_cache_hit_length)
+    finally:
+        _searching.reset(token)
+    return _record_hit(self, result, block_hashes, max_cache_hit_length)
+
+
+def _subclass_hit_search(key: str) -> Any:
+    """``find_longest_cache_hit`` wrapped for a subclass that overrides it (vllm-ascend's
+    ``AscendHybridKVCacheCoordinator``): its own search runs, the plugin records the hit."""
+
+    def wrapped(self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
+        return _search_and_record(_ORIGINALS[key], self, block_hashes, max_cache_hit_length)
+
+    wrapped.__name__ = wrapped.__qualname__ = "find_longest_cache_hit"
+    wrapped._hybrid_backends_wrapper = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _subclasses(cls: type) -> list[type]:
+    found: list[type] = []
+    direct: list[type] = cls.__subclasses__()
+    for sub in direct:
+        found += [sub, *_subclasses(sub)]
+    return found
+
+
+def wrap_subclass_hit_searches() -> list[str]:
+    """Wrap ``find_longest_cache_hit`` of every ``HybridKVCacheCoordinator`` subclass defined
+    outside vLLM's module that overrides it (a wrapper on vLLM's class alone would be bypassed).
+    Runs at apply and again at engine start, when every plugin has loaded its own (vllm-ascend
+    defines its subclass in a platform patch whose import order against this plugin is not
+    fixed). Returns the qualified names wrapped by this call."""
+    module = _module()
+    wrapped = []
+    for cls in _subclasses(module.HybridKVCacheCoordinator):
+        current = vars(cls).get("find_longest_cache_hit")
+        if cls.__module__ == module.__name__ or current is None or getattr(
+                current, "_hybrid_backends_wrapper", False):
+            continue
+        key = f"{cls.__module__}.{cls.__qualname__}.find_longest_cache_hit"
+        _ORIGINALS[key] = current
+        _SUBCLASS_WRAPPED[key] = cls
+        cls.find_longest_cache_hit = _subclass_hit_search(key)  # type: ignore[attr-defined]
+        wrapped.append(f"{cls.__module__}.{cls.__qualname__}")
+    if wrapped:
+        trace_event("hit_search_wrapped", classes=wrapped)
+    return wrapped
+
+
+#: key in _ORIGINALS -> the subclass whose find_longest_cache_hit was wrapped
+_SUBCLASS_WRAPPED: dict[str, type] = {}
+
+
+def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
     managers = _mamba_managers(self)
     if result[1] > 0 and managers:
         hit = result[0][self.single_type_managers.index(managers[0])]
@@ -562,6 +630,7 @@ def apply() -> None:
         _ORIGINALS["HybridKVCacheCoordinator.find_longest_cache_hit"] = (
             module.HybridKVCacheCoordinator.find_longest_cache_hit)
         module.HybridKVCacheCoordinator.find_longest_cache_hit = find_longest_cache_hit
+    wrap_subclass_hit_searches()
     if callable(getattr(module, "replay_boundaries", None)):
         if module.replay_boundaries is not replay_boundaries:
             _ORIGINALS["replay_boundaries"] = module.replay_boundaries
@@ -589,6 +658,9 @@ def revert() -> None:
     if "HybridKVCacheCoordinator.find_longest_cache_hit" in _ORIGINALS:
         module.HybridKVCacheCoordinator.find_longest_cache_hit = _ORIGINALS.pop(
             "HybridKVCacheCoordinator.find_longest_cache_hit")
+    for key, cls in list(_SUBCLASS_WRAPPED.items()):
+        cls.find_longest_cache_hit = _ORIGINALS.pop(key)  # type: ignore[attr-defined]
+        del _SUBCLASS_WRAPPED[key]
     if "replay_boundaries" in _ORIGINALS:
         module.replay_boundaries = _ORIGINALS.pop("replay_boundaries")
     if "KVCacheCoordinator.get_replay_boundaries" in _ORIGINALS:

@@ -11,6 +11,8 @@
   core's ``collective_rpc`` (every worker runs :func:`~vllm_hybrid_backends.handshake.worker_report`),
   then delegates to the original. The coordinator and the scheduler read the result once per
   instance; a feature some worker lacks stays off. Once per engine start, never per step.
+  The same moment, with every plugin loaded, wraps the hit search of coordinator subclasses
+  defined after the patches applied (vllm-ascend's ``AscendHybridKVCacheCoordinator``).
 - Upstream: none (vLLM's own worker/engine handshake is for KV connectors only).
 - vLLM versions: 0.30.x-0.33.x (same ``_initialize_kv_caches(self, vllm_config)`` between
   executor start and scheduler construction; ``collective_rpc`` accepts a callable).
@@ -24,6 +26,7 @@ from typing import Any
 
 from .. import handshake
 from ..compat import signature_problem
+from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
 
 TARGET_MODULE = "vllm.v1.engine.core"
 TARGET_SYMBOLS = ("EngineCore._initialize_kv_caches",)
@@ -54,6 +57,8 @@ def missing() -> list[str]:
 
 def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
     handshake.establish(self.collective_rpc)
+    # every plugin has loaded by now: reach coordinator subclasses defined after apply()
+    coordinator_patch.wrap_subclass_hit_searches()
     return _ORIGINALS["EngineCore._initialize_kv_caches"](self, vllm_config)
 
 
