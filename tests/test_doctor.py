@@ -120,3 +120,13 @@ def test_doctor_says_when_the_worker_handshake_happens_and_its_result(fresh_plug
         assert "interior_states  only if every worker applied" in out
     finally:
         handshake.reset()
+
+
+def test_doctor_says_what_it_defers_to_vllm_ascend_only_where_installed(fresh_plugins, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_vllm_ascend_version", lambda: None)
+    _, out, _ = run_doctor(capsys, "--json")
+    assert json.loads(out)["vllm_ascend_composition"] == []
+    monkeypatch.setattr(cli, "_vllm_ascend_version", lambda: "0.26.0rc1")
+    _, out, _ = run_doctor(capsys)
+    assert "vllm-ascend: 0.26.0rc1" in out
+    assert "the plugin defers the hit search to it" in out and "BalanceScheduler" in out

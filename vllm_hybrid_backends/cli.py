@@ -119,6 +119,20 @@ def _worker_handshake() -> dict[str, Any]:
     }
 
 
+#: How the plugin composes with vllm-ascend's own patches (checked against the real sources of
+#: vllm-ascend 0.23.0 / 0.26.0rc1 by ``make test-ascend-contract``; docs/ascend.md).
+VLLM_ASCEND_COMPOSITION = (
+    "NPUWorker.__init__ re-assigns mamba_utils copy functions: the plugin re-applies its worker "
+    "patches after it (patch_vllm_ascend_worker_worker), so the selected backend stays the one "
+    "called",
+    "BalanceScheduler replaces the module's Scheduler but inherits vLLM's "
+    "_mamba_block_aligned_split, which the plugin patches: it gets the plugin's chunk split",
+    "AscendHybridKVCacheCoordinator.find_longest_cache_hit: the plugin defers the hit search to "
+    "it (it carries vllm-ascend's PD / full-attention-only hit logic) and only records the hits "
+    "it returns (wrapped at engine start)",
+)
+
+
 def doctor_report() -> tuple[dict[str, Any], int]:
     """Everything ``doctor`` prints, and its exit status (0 when a backend is selected)."""
     from . import plugins
@@ -149,6 +163,7 @@ def doctor_report() -> tuple[dict[str, Any], int]:
             "every required patch can apply"),
         "patches": patch_statuses,
         "worker_handshake": _worker_handshake(),
+        "vllm_ascend_composition": list(VLLM_ASCEND_COMPOSITION) if _vllm_ascend_version() else [],
         "platform": _vllm_platform(),
         "device_kind": detect_device_kind().value,
         "selected_backend": None,
@@ -184,6 +199,8 @@ def _print_human(report: dict[str, Any]) -> None:
         print(f"           {report['vllm_supported_reason']}")
     if report["vllm_ascend_version"]:
         print(f"vllm-ascend: {report['vllm_ascend_version']}")
+        for line in report["vllm_ascend_composition"]:
+            print(f"  - {line}")
     if report["patches"]:
         print("patches:")
         for patch in report["patches"]:
