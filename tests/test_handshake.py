@@ -14,7 +14,7 @@ from vllm_hybrid_backends.patches import (
 )
 from vllm_hybrid_backends.patches import patch_vllm_v1_engine_core as engine_core_patch
 
-INTERIOR = handshake.WORKER_FEATURES["interior_states"]
+INTERIOR = handshake.WORKER_FEATURES["gdn_interior_states"]
 
 
 @pytest.fixture(autouse=True)
@@ -25,21 +25,22 @@ def _no_handshake():
 
 
 def _report(pid, **states):
-    return {"pid": pid, "patches": {name: states.get(name, patches.APPLIED) for name in INTERIOR}}
+    every = {n for needed in handshake.WORKER_FEATURES.values() for n in needed}
+    return {"pid": pid, "patches": {name: states.get(name, patches.APPLIED) for name in every}}
 
 
 def test_a_feature_is_on_only_when_every_worker_applied_its_patches():
-    assert handshake.combine([_report(1), _report(2)]).supports("interior_states")
+    assert handshake.combine([_report(1), _report(2)]).supports("gdn_interior_states")
     lacking = handshake.combine([_report(1), _report(2, **{INTERIOR[1]: patches.REFUSED})])
-    assert lacking.established and not lacking.supports("interior_states")
-    assert lacking.reasons["interior_states"] == f"worker pid 2: {INTERIOR[1]} refused"
+    assert lacking.established and not lacking.supports("gdn_interior_states")
+    assert lacking.reasons["gdn_interior_states"] == f"worker pid 2: {INTERIOR[1]} refused"
 
 
 def test_no_answer_means_no_support():
-    assert not handshake.current().supports("interior_states")
+    assert not handshake.current().supports("gdn_interior_states")
     silent = handshake.combine([])
-    assert not silent.established and not silent.supports("interior_states")
-    with pytest.raises(ValueError, match="unknown worker feature 'decode'; known: interior_states"):
+    assert not silent.established and not silent.supports("gdn_interior_states")
+    with pytest.raises(ValueError, match="unknown worker feature 'decode'; known: gdn_interior_states, mamba2_interior_states"):
         silent.supports("decode")
 
 
@@ -48,11 +49,11 @@ def test_establish_asks_through_collective_rpc_and_sets_current():
 
     def collective_rpc(method):
         asked.append(method)
-        return [{"pid": 7, "patches": {name: patches.APPLIED for name in INTERIOR}}]
+        return [_report(7)]
 
     support = handshake.establish(collective_rpc)
     assert asked == [handshake.worker_report]
-    assert handshake.current() is support and support.supports("interior_states")
+    assert handshake.current() is support and support.supports("gdn_interior_states")
 
 
 def test_a_failing_rpc_leaves_every_feature_off():
@@ -60,15 +61,15 @@ def test_a_failing_rpc_leaves_every_feature_off():
         raise TimeoutError("worker gone")
 
     support = handshake.establish(collective_rpc)
-    assert not support.established and not support.supports("interior_states")
-    assert support.reasons["interior_states"] == "no worker answered the handshake"
+    assert not support.established and not support.supports("gdn_interior_states")
+    assert support.reasons["gdn_interior_states"] == "no worker answered the handshake"
 
 
 def test_worker_report_shows_a_forced_refusal(monkeypatch):
     monkeypatch.setenv(patches.REFUSE_ENV, INTERIOR[1])
     report = handshake.worker_report()
     assert report["patches"][INTERIOR[1]] == patches.REFUSED
-    assert not handshake.combine([report]).supports("interior_states")
+    assert not handshake.combine([report]).supports("gdn_interior_states")
 
 
 def test_refusal_env_is_checked_and_can_name_a_process(monkeypatch):

@@ -30,7 +30,7 @@ per-request paths then read no environment variable):
   that always resumes past the prompt) stops costing memory and chunk splits.
 - ``VLLM_HYBRID_INTERIOR_STATES`` (default 1): where the Mamba layers' forward can store states
   at block boundaries inside a prefill chunk (:func:`interior_checkpoints`; vLLM-CPU's gated
-  delta net with this plugin), tail checkpoints get a cache block inside the chunk instead of a
+  delta net and Mamba2 with this plugin), tail checkpoints get a cache block inside the chunk instead of a
   chunk split, so they cost no extra forward step. ``0`` always splits.
 - ``VLLM_HYBRID_MAMBA_GRID`` (default 1): when the scheduler's block size is smaller than the
   Mamba block size, floor non-final chunk ends to the Mamba grid, so a state is never cached
@@ -138,16 +138,17 @@ def policy_for_model(policy: AlignPolicy, *, internal_prefill_checkpoints: bool,
                      interior_states: bool = False) -> AlignPolicy:
     """``policy`` as it applies to one model: the scheduler and the cache must agree on it.
 
-    Tail checkpoints are off when the Mamba layers export the prompt checkpoint from inside the
-    forward (Mamba2: vLLM's ``num_prefill_checkpoint_blocks``): the extra states measured a lower
-    hit rate there (replay, nemotron-h-8b agentic: 0.125 against upstream's 0.228). Where the
-    forward stores tail states inside the chunk (``interior_states``) they cost no forward step,
-    so every block up to the reach is a candidate (``dense_tails``).
+    Where the forward stores tail states inside the chunk (``interior_states``) they cost no
+    forward step, so every block up to the reach is a candidate (``dense_tails``), also beside
+    an internal prompt checkpoint (Mamba2 on vLLM-CPU). Otherwise tail checkpoints are off when
+    the Mamba layers export the prompt checkpoint from inside the forward (Mamba2: vLLM's
+    ``num_prefill_checkpoint_blocks``): there they cost chunk splits, and measured a lower hit
+    rate (replay, nemotron-h-8b agentic: 0.125 against upstream's 0.228).
     """
+    if interior_states and policy.interior_states:
+        return policy if policy.dense_tails else replace(policy, dense_tails=True)
     if internal_prefill_checkpoints and policy.tail_checkpoints:
         return replace(policy, tail_checkpoints=0)
-    if interior_states and policy.interior_states and not policy.dense_tails:
-        return replace(policy, dense_tails=True)
     return policy
 
 

@@ -131,6 +131,57 @@ VLLM_ASCEND_COMPOSITION = (
     "it (it carries vllm-ascend's PD / full-attention-only hit logic) and only records the hits "
     "it returns (wrapped at engine start)",
 )
+#: Mamba layer kinds (vLLM's ``MambaAttentionBackendEnum`` names) and whether vLLM's own
+#: layer exports a prefill checkpoint from inside the forward (Mamba2 does, from vLLM 0.32).
+MAMBA_KINDS = (("GDN_ATTN", False), ("MAMBA2", True), ("MAMBA1", False), ("SHORT_CONV", False))
+
+
+def tail_state_paths(version: str | None) -> list[dict[str, Any]]:
+    """Per Mamba kind: whether the plugin's tail states are stored inside the prefill chunk in
+    this process's setting, or what it does instead, and why (the engine's own decision,
+    ``stores_interior``, asked for an align-mode group of that kind without spec decoding)."""
+    if version is None:
+        return []
+    import types
+
+    from . import align
+    from .patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
+
+    try:
+        policy = align.current_policy()
+    except ValueError as exc:
+        return [{"kind": kind, "inside_chunk": False, "how": str(exc)} for kind, _ in MAMBA_KINDS]
+    platform = _vllm_platform()
+    has_checkpoint = importlib.util.find_spec("vllm.model_executor.layers.mamba.checkpoint")
+    from . import handshake
+
+    expected = handshake.expected_here()  # established per engine at its start; see doctor
+    rows = []
+    for kind, vllm_checkpoint in MAMBA_KINDS:
+        vllm_checkpoint = vllm_checkpoint and has_checkpoint is not None  # Mamba2 from 0.32
+        spec = types.SimpleNamespace(mamba_cache_mode="align", num_speculative_blocks=0,
+                                     num_prefill_checkpoint_blocks=int(vllm_checkpoint),
+                                     mamba_type=types.SimpleNamespace(name=kind))
+        inside = policy.interior_states and policy.tail_checkpoints > 0 and \
+            coordinator.stores_interior(spec, expected)
+        fallback = ("no tail states, vLLM's one prefill checkpoint" if vllm_checkpoint
+                    else "chunk splits")
+        if not policy.tail_checkpoints:
+            how = f"no tail states ({align.TAIL_CHECKPOINTS_ENV}=0)"
+        elif inside:
+            how = "inside the chunk (the forward stores them through hb_store_checkpoints)"
+        elif not policy.interior_states:
+            how = f"{fallback} ({align.INTERIOR_STATES_ENV}=0)"
+        elif kind not in coordinator.CPU_INTERIOR_KINDS:
+            how = f"{fallback}: no forward of this kind stores states inside the chunk yet"
+        elif platform != "cpu":
+            how = (f"{fallback}: on {platform} the forward does not store states inside the "
+                   "chunk yet (vLLM-CPU only)")
+        else:
+            how = (f"{fallback}: not stored inside the chunk on vLLM {version} (verified on "
+                   "0.32+, with every worker patch applying)")
+        rows.append({"kind": kind, "inside_chunk": bool(inside), "how": how})
+    return rows
 
 
 def doctor_report() -> tuple[dict[str, Any], int]:
@@ -164,6 +215,7 @@ def doctor_report() -> tuple[dict[str, Any], int]:
         "patches": patch_statuses,
         "worker_handshake": _worker_handshake(),
         "vllm_ascend_composition": list(VLLM_ASCEND_COMPOSITION) if _vllm_ascend_version() else [],
+        "tail_states": tail_state_paths(version),
         "platform": _vllm_platform(),
         "device_kind": detect_device_kind().value,
         "selected_backend": None,
@@ -209,10 +261,14 @@ def _print_human(report: dict[str, Any]) -> None:
     shake = report["worker_handshake"]
     print(f"handshake: {shake['when']}; the engine enables")
     for feature, needed in shake["features"].items():
-        print(f"  {feature:<16} only if every worker applied {', '.join(needed)}")
+        print(f"  {feature:<22} only if every worker applied {', '.join(needed)}")
     if shake["result"] is not None:
         on = ", ".join(shake["result"]["features"]) or "none"
         print(f"  this engine: {len(shake['result']['workers'])} worker(s); on: {on}")
+    if report["tail_states"]:
+        print("tail states (align mode, no speculative decoding):")
+        for row in report["tail_states"]:
+            print(f"  {row['kind']:<10} {row['how']}")
     print(f"platform:  {report['platform']}   device kind: {report['device_kind']}")
     if report["selected_backend"]:
         print(f"backend:   {report['selected_backend']}  ({report['selection_reason']})")

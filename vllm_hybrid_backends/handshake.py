@@ -31,9 +31,16 @@ from .trace import trace_event
 #: Feature -> the worker patch modules that must all be applied in every worker for it.
 WORKER_FEATURES: Mapping[str, tuple[str, ...]] = {
     # the GDN metadata builder finds the interior blocks, the CPU GDN forward stores them
-    "interior_states": ("patch_vllm_v1_attention_backends_gdn_attn",
-                        "patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention"),
+    "gdn_interior_states": ("patch_vllm_v1_attention_backends_gdn_attn",
+                            "patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention"),
+    # the Mamba2 metadata builder plans them, the SSD scan returns chunk states, the
+    # checkpoint store writes them
+    "mamba2_interior_states": ("patch_vllm_v1_attention_backends_mamba2_attn",
+                               "patch_vllm_model_executor_layers_mamba_ops_ssd_combined",
+                               "patch_vllm_model_executor_layers_mamba_mamba_mixer2"),
 }
+#: Mamba kind (vLLM's ``MambaAttentionBackendEnum`` name) -> the feature storing its interior states
+INTERIOR_FEATURE_OF_KIND = {"GDN_ATTN": "gdn_interior_states", "MAMBA2": "mamba2_interior_states"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,17 @@ def reset() -> None:
     """Forget the handshake (tests, and the replay harness between engines)."""
     global _current
     _current = NOT_ESTABLISHED
+
+
+def expected_here() -> WorkerSupport:
+    """What a handshake would find if every worker were this process (doctor runs no engine):
+    a patch that is ready or applied here counts as applied."""
+    from .patches import APPLIED, READY
+
+    report = worker_report()
+    report["patches"] = {name: APPLIED if state in (READY, APPLIED) else state
+                         for name, state in report["patches"].items()}
+    return combine([report])
 
 
 def worker_report(worker: object = None) -> dict[str, Any]:

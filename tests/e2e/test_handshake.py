@@ -77,12 +77,13 @@ def test_workers_refused_engine_plans_no_interior_state(runs):
     [shake] = _events(trace, "handshake")
     assert "EngineCore" in shake["process"]
     assert shake["established"] and shake["features"] == [], shake
-    assert WORKER_PATCH in shake["reasons"]["interior_states"]
+    assert WORKER_PATCH in shake["reasons"]["gdn_interior_states"]
     assert {w["pid"] for w in shake["workers"]} == {e["pid"] for e in skipped}
     assert shake["pid"] not in {w["pid"] for w in shake["workers"]}  # workers in their own process
 
     decided = _events(trace, "interior_states_decided")
-    assert decided and all(e["groups"] == [] and not e["workers_store_interior"] for e in decided)
+    assert decided and all(e["groups"] == [] and "gdn_interior_states" not in e["workers_store_interior"]
+                           for e in decided)
     assert not _events(trace, "hook_called", hook="hb_store_checkpoints"), trace
 
 

@@ -421,6 +421,38 @@ def test_tail_checkpoints_stored_inside_the_chunk_need_no_split(monkeypatch):
     assert inside.blocks_leaked == 0
 
 
+@needs_mamba2_checkpoint
+def test_mamba2_tail_states_inside_the_chunk_beside_vllms_checkpoint(monkeypatch):
+    # As on vLLM-CPU (the replay models CUDA, where Mamba2 stores none): the KV-cache manager
+    # gives Mamba2 groups interior blocks beside vLLM's prefill checkpoint; the fake model
+    # stores them (and vLLM's checkpoint) and the oracle checks every state a hit resumes from.
+    from vllm_hybrid_backends import align
+    from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
+
+    stores_interior = coordinator.stores_interior
+
+    def mamba2_stores_interior(spec):
+        if spec.mamba_type.name == "MAMBA2" and not spec.num_speculative_blocks:
+            return True
+        return stores_interior(spec)
+
+    monkeypatch.setattr(coordinator, "stores_interior", mamba2_stores_interior)
+    config = _tiny(shape=tiny_shape(("mamba", "attention"), kind="MAMBA2"),
+                   max_num_batched_tokens=128)
+    first_only = Trace("a", _edited_resend_trace().requests[:1])
+    inside = run_replay(_edited_resend_trace(), config, get_policy("plugin"))
+    inside_first = run_replay(first_only, config, get_policy("plugin"))
+    monkeypatch.setenv(align.TAIL_CHECKPOINTS_ENV, "0")
+    no_tails = run_replay(_edited_resend_trace(), config, get_policy("plugin"))
+    no_tails_first = run_replay(first_only, config, get_policy("plugin"))
+    assert inside.mismatches == [] and no_tails.mismatches == []
+    # the tail state at 64 serves "b"; without tail states only vLLM's checkpoint (96) exists
+    assert (inside.requests["b"].hit_tokens, no_tails.requests["b"].hit_tokens) == (64, 0)
+    # "a" keeps its tail states (32, 64, 80, 88) without a chunk split: one prefill step
+    assert inside_first.steps == no_tails_first.steps == 2  # prefill, then its second token
+    assert inside.blocks_leaked == 0
+
+
 def test_interior_blocks_the_model_does_not_fill_are_reported_as_mismatches(monkeypatch):
     from vllm_hybrid_backends.replay.oracle import FakeHybridWorker
 

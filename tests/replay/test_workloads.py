@@ -223,3 +223,56 @@ def test_a_bad_hash_block_line_names_its_line(tmp_path, line, message):
     path = _mooncake(tmp_path, [MOONCAKE[0], line])
     with pytest.raises(TraceError, match=rf"mooncake\.jsonl:2: {message}"):
         load_trace(path)
+
+
+def test_branching_attempts_share_the_history_and_diverge_inside_a_block():
+    trace = make_workload("branching", block_size=BLOCK, tasks=3, steps=3, fanout=3)
+    by_id = {r.id: r for r in trace.requests}
+    misaligned = 0
+    for t in range(3):
+        for step in range(3):
+            tries = [by_id[f"task{t}-step{step}-try{a}"] for a in range(3)]
+            if step:  # the history is the previous step's chosen prompt and answer
+                chosen = by_id[f"task{t}-step{step - 1}-try0"]
+                history = chosen.prompt_token_ids + chosen.output_token_ids
+                assert all(r.prompt_token_ids[:len(history)] == history for r in tries)
+                assert all(r.after == chosen.id for r in tries)
+            a, b = tries[0].prompt_token_ids, tries[1].prompt_token_ids
+            common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            misaligned += common % BLOCK != 0
+    assert misaligned >= 6  # branch points are not on the block grid
+
+
+def test_rag_prompts_share_the_system_prompt_and_popular_passages():
+    trace = make_workload("rag", block_size=BLOCK, num_prompts=60)
+    prompts = [r.prompt_token_ids for r in trace.requests]
+    system = prompts[0][:700]
+    assert all(p[:700] == system for p in prompts)
+    firsts = {tuple(p[700:900]) for p in prompts}
+    assert len(firsts) < len(prompts) / 2  # the same first passage recurs (popularity)
+    assert [r.arrival_s for r in trace.requests] == sorted(r.arrival_s for r in trace.requests)
+
+
+def test_production_is_a_hash_block_trace_read_like_a_file(tmp_path):
+    from vllm_hybrid_backends.replay.workloads import production_lines
+
+    lines = production_lines(seed=1, sessions=20)
+    path = tmp_path / "prod.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    from_file = load_trace(path)
+    generated = make_workload("production", block_size=BLOCK, seed=1, sessions=20)
+    assert [r.prompt_token_ids for r in from_file.requests] == \
+        [r.prompt_token_ids for r in generated.requests]
+    assert all(len(r.prompt_token_ids) == line["input_length"]
+               for r, line in zip(generated.requests, lines))
+    # a later turn repeats the earlier turn's units: its prompt extends the earlier prompt
+    by_units: dict[int, list[int]] = {}
+    extended = 0
+    for r, line in zip(generated.requests, lines):
+        for other in by_units.values():
+            if len(other) < len(r.prompt_token_ids) and \
+                    r.prompt_token_ids[:len(other)] == other:
+                extended += 1
+                break
+        by_units[line["hash_ids"][-1]] = r.prompt_token_ids
+    assert extended >= len(lines) // 3

@@ -39,6 +39,7 @@ PATCH_MODULES = (
     "vllm_hybrid_backends.patches.patch_vllm_model_executor_layers_mamba_mamba_mixer2",
     "vllm_hybrid_backends.patches.patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention",
     "vllm_hybrid_backends.patches.patch_vllm_v1_attention_backends_gdn_attn",
+    "vllm_hybrid_backends.patches.patch_vllm_v1_attention_backends_mamba2_attn",
     "vllm_hybrid_backends.patches.patch_vllm_ascend_worker_worker",
     "vllm_hybrid_backends.patches.patch_vllm_v1_engine_core",
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_sched_scheduler",

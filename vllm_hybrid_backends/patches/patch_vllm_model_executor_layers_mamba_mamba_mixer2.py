@@ -15,7 +15,9 @@
   ``state_len`` (conv kernel - 1) positions: with speculative decoding the cache is wider and
   its extra positions are scratch the kernel leaves alone. vLLM only places a checkpoint at least
   one hash block into the query, so a window never reaches before it; a request that would is
-  rejected with an error rather than stored wrong.
+  rejected with an error rather than stored wrong. The interior states the plugin plans on the
+  checkpoint metadata (``patch_vllm_v1_attention_backends_mamba2_attn``: tail checkpoints inside
+  the chunk, from the same chunk states) go into the same ``hb_store_checkpoints`` call.
 - Upstream: none (the kernel works on CUDA/ROCm; CPU has no Triton).
 - vLLM versions: 0.32.x, 0.33.x (``ops/ssd_checkpoint.py`` identical; same call in
   ``mamba_mixer2.py``); not needed before 0.32, which has no Mamba2 prefill checkpoint.
@@ -75,16 +77,19 @@ def missing() -> list[str]:
 def store_prefill_checkpoint(checkpoint: Any, chunk_idx: Any, x: Any, conv_state: Any,
                              chunk_states: Any, ssm_state: Any, query_start_loc: Any, *,
                              state_len: int) -> None:
-    """Same arguments as vLLM's ``ops.ssd_checkpoint.store_prefill_checkpoint``."""
+    """Same arguments as vLLM's ``ops.ssd_checkpoint.store_prefill_checkpoint``; also stores
+    the interior states planned on ``checkpoint`` (:data:`INTERIOR_ATTR`), in the same call."""
     import torch
 
     from .. import plugins
+    from .patch_vllm_v1_attention_backends_mamba2_attn import INTERIOR_ATTR
 
     offsets = checkpoint.offsets
     if offsets is None:
         offsets = checkpoint.checkpoint_offsets.tolist()
     rows = [row for row, offset in enumerate(offsets) if offset > 0]
-    if not rows:
+    interior = getattr(checkpoint, INTERIOR_ATTR, None)
+    if not rows and interior is None:
         return
     short = [(row, offsets[row]) for row in rows if offsets[row] < state_len]
     if short:
@@ -92,16 +97,21 @@ def store_prefill_checkpoint(checkpoint: Any, chunk_idx: Any, x: Any, conv_state
             f"prefill checkpoint offsets {short} (row, offset) are shorter than the conv window "
             f"({state_len} tokens); only offsets >= {state_len} can be stored from this query"
         )
-    device = query_start_loc.device
-    index = torch.tensor(rows, dtype=torch.long, device=device)
-    starts = query_start_loc[index].long()
-    batch = CheckpointBatch(
-        token_end=starts + checkpoint.checkpoint_offsets.to(device)[index].long(),
-        seq_start=starts,
-        initial_block=torch.full_like(starts, -1),
-        dst_block=checkpoint.state_indices.to(device)[index].long(),
-        temporal_row=chunk_idx.to(device)[index].long(),
-    )
+    batches = [] if interior is None else [interior.batch]
+    if rows:
+        device = query_start_loc.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        starts = query_start_loc[index].long()
+        batches.insert(0, CheckpointBatch(
+            token_end=starts + checkpoint.checkpoint_offsets.to(device)[index].long(),
+            seq_start=starts,
+            initial_block=torch.full_like(starts, -1),
+            dst_block=checkpoint.state_indices.to(device)[index].long(),
+            temporal_row=chunk_idx.to(device)[index].long(),
+        ))
+    batch = batches[0] if len(batches) == 1 else CheckpointBatch(**{
+        field: torch.cat([getattr(b, field) for b in batches])
+        for field in ("token_end", "seq_start", "initial_block", "dst_block", "temporal_row")})
     # vLLM hands the conv cache as (blocks, dim, width); give the hook the cache's own layout
     if importlib.import_module(LAYOUT_MODULE).is_conv_state_dim_first():
         conv = MambaStateTensor(conv_state[:, :, :state_len], StateKind.CONV_DS)

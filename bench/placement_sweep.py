@@ -1,0 +1,124 @@
+"""Plugin vs upstream over a capacity sweep: hit rates, bound, ideal, mismatches, leaks.
+
+    python bench/placement_sweep.py                      # the full grid (tens of minutes)
+    python bench/placement_sweep.py --workloads agentic --shapes qwen3.5-0.8b --capacities 65536
+    python bench/placement_sweep.py --json --check       # exit 1 if a row breaks the rules
+
+Each row replays one workload on one model shape at one KV capacity (tokens) through vLLM's
+real scheduler, upstream and plugin (report.compare_policies, the same runs as `replay`).
+``--check`` fails a row where the plugin hits less than upstream, or any state mismatch or
+leaked block occurs. Rows print to stderr as they finish; ``--json`` prints all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+DEFAULT_WORKLOADS = ("agentic", "chat", "branching", "rag", "production")
+DEFAULT_SHAPES = ("qwen3.5-0.8b", "qwen3-next-80b-a3b", "nemotron-h-8b")
+DEFAULT_CAPACITIES = (65_536, 131_072, 262_144, 2_000_000)
+
+
+def sweep_row(workload: str, shape: str, cache_tokens: int) -> dict[str, Any]:
+    from vllm_hybrid_backends.replay.harness import ReplayConfig
+    from vllm_hybrid_backends.replay.report import compare_policies
+    from vllm_hybrid_backends.replay.workloads import make_workload
+
+    config = ReplayConfig(model_shape=shape, cache_tokens=cache_tokens)
+    trace = make_workload(workload, block_size=config.layout().block_size)
+    started = time.perf_counter()
+    report = compare_policies(trace, config, ["upstream", "plugin"])
+    up, plug = report.policies["upstream"], report.policies["plugin"]
+    return {
+        "workload": workload, "model_shape": shape, "cache_tokens": cache_tokens,
+        "block_size": report.block_size, "num_blocks": report.num_blocks,
+        "upstream": round(up.token_hit_rate, 4), "plugin": round(plug.token_hit_rate, 4),
+        "bound": round(plug.bound_hit_rate, 4), "ideal": round(plug.ideal_hit_rate, 4),
+        "plugin_over_bound": round(plug.token_hit_rate / plug.bound_hit_rate, 4)
+        if plug.bound_hit_rate else None,
+        "upstream_over_bound": round(up.token_hit_rate / up.bound_hit_rate, 4)
+        if up.bound_hit_rate else None,
+        "preemptions": {"upstream": up.preemptions, "plugin": plug.preemptions},
+        "evictions_mamba": {"upstream": up.evictions_mamba, "plugin": plug.evictions_mamba},
+        "state_mismatches": up.state_mismatches + plug.state_mismatches,
+        "blocks_leaked": up.blocks_leaked + plug.blocks_leaked,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def row_problems(row: dict[str, Any]) -> list[str]:
+    problems = []
+    if row["plugin"] < row["upstream"]:
+        problems.append(f"plugin {row['plugin']} < upstream {row['upstream']}")
+    if row["state_mismatches"]:
+        problems.append(f"{row['state_mismatches']} state mismatches")
+    if row["blocks_leaked"]:
+        problems.append(f"{row['blocks_leaked']} leaked blocks")
+    return problems
+
+
+def _positive_ints(text: str) -> list[int]:
+    values = []
+    for part in text.split(","):
+        try:
+            value = int(part.replace("_", ""))
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{part!r}: capacities are positive integers")
+        values.append(value)
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vllm_hybrid_backends.replay.shapes import MODEL_SHAPES
+    from vllm_hybrid_backends.replay.workloads import WORKLOADS
+
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                        help=f"comma-separated, of: {', '.join(sorted(WORKLOADS))}")
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                        help=f"comma-separated, of: {', '.join(sorted(MODEL_SHAPES))}")
+    parser.add_argument("--capacities", type=_positive_ints,
+                        default=list(DEFAULT_CAPACITIES), help="comma-separated token counts")
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if plugin < upstream, a state mismatch or a leak occurs")
+    args = parser.parse_args(argv)
+    workloads = [w for w in args.workloads.split(",") if w]
+    shapes = [s for s in args.shapes.split(",") if s]
+    for name, known, what in ((workloads, WORKLOADS, "workload"), (shapes, MODEL_SHAPES, "shape")):
+        unknown = [n for n in name if n not in known]
+        if unknown:
+            parser.error(f"unknown {what} {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    rows, failed = [], []
+    for workload in workloads:
+        for shape in shapes:
+            for capacity in args.capacities:
+                row = sweep_row(workload, shape, capacity)
+                rows.append(row)
+                problems = row_problems(row)
+                if problems:
+                    failed.append((row, problems))
+                print(f"{workload:10s} {shape:20s} {capacity:>9,d}  upstream {row['upstream']:.4f}"
+                      f"  plugin {row['plugin']:.4f}  bound {row['bound']:.4f}"
+                      f"  ideal {row['ideal']:.4f}  preempt {row['preemptions']['plugin']}"
+                      f"  {row['wall_s']}s{'  ' + '; '.join(problems) if problems else ''}",
+                      file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    if args.check and failed:
+        print(f"{len(failed)} of {len(rows)} rows broke the rules", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Interior states (tail checkpoints stored inside a prefill chunk) through the Triton backend's
+``hb_store_checkpoints``, forced on CPU tensors under ``TRITON_INTERPRET=1``, against the
+reference backend: vLLM-CPU's gated-delta-net forward wrapper and Mamba2's checkpoint store.
+
+The Triton backend is registered here with a probe that says "available" (on a CPU machine the
+real probe refuses), selected through ``VLLM_HYBRID_BACKEND`` like any backend, and the patched
+forward / store run once with it and once with ``cpu`` on copies of the same fresh random
+caches, every destination block poisoned with NaN. Both runs must leave the same bits in every
+cache tensor (the store is a copy and a cast); a routing check proves the Triton kernel ran and
+the reference did not.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+import types
+import zlib
+
+import pytest
+import torch
+
+from vllm_hybrid_backends import plugins, reference
+from vllm_hybrid_backends.backends.triton import tuning
+from vllm_hybrid_backends.backends.triton.backend import TritonBackend
+from vllm_hybrid_backends.hookspecs import hookimpl
+from vllm_hybrid_backends.patches import (
+    patch_vllm_model_executor_layers_mamba_mamba_mixer2 as mamba2_store,
+)
+from vllm_hybrid_backends.patches import (
+    patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention as gdn_forward,
+)
+from vllm_hybrid_backends.patches import patch_vllm_v1_attention_backends_mamba2_attn as mamba2_plan
+from vllm_hybrid_backends.types import Availability, BackendIdentity, DeviceKind
+
+checkpoint_md = pytest.importorskip("vllm.model_executor.layers.mamba.checkpoint")
+layer_utils = pytest.importorskip("vllm.model_executor.layers.mamba.mamba_utils")
+mamba_attn = pytest.importorskip("vllm.v1.attention.backends.mamba_attn")
+
+FORCED = "triton-interpreted"
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+LAYOUTS = [pytest.param(False, id="conv-SD"), pytest.param(True, id="conv-DS")]
+
+
+class InterpretedTriton(TritonBackend):
+    """The Triton backend, offered on this CPU machine (its kernels run in the interpreter)."""
+
+    @hookimpl
+    def hb_backend_identity(self) -> BackendIdentity:
+        return BackendIdentity(FORCED, DeviceKind.CPU, priority=-1)
+
+    @hookimpl
+    def hb_backend_probe(self) -> Availability:
+        return Availability(True, "Triton interpreter on CPU tensors (test)")
+
+
+@pytest.fixture
+def rng(request) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def forced_triton(interpreted_kernels, fresh_plugins, monkeypatch):
+    """``run(fn)`` runs ``fn`` with the Triton backend selected, proving its kernel ran."""
+    plugins.register_backend(InterpretedTriton(tuning.NVIDIA))
+
+    def run(fn):
+        with monkeypatch.context() as m:
+            m.setenv(plugins.BACKEND_ENV, FORCED)
+            m.setattr(reference, "store_checkpoints", _reference_must_not_run)
+            plugins.forget_selection()
+            before = interpreted_kernels.launch_counts.get("checkpoint", 0)
+            fn()
+            assert interpreted_kernels.launch_counts.get("checkpoint", 0) > before, "no Triton launch"
+        plugins.forget_selection()
+
+    yield run
+    plugins.forget_selection()
+
+
+def _reference_must_not_run(*args, **kwargs):
+    raise AssertionError("the reference ran instead of the Triton kernel")
+
+
+def _with_reference(monkeypatch, fn):
+    with monkeypatch.context() as m:
+        m.setenv(plugins.BACKEND_ENV, "cpu")
+        plugins.forget_selection()
+        fn()
+    plugins.forget_selection()
+
+
+_BITS = {2: torch.int16, 4: torch.int32}
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    a, b = got.contiguous().view(_BITS[got.element_size()]), want.contiguous().view(_BITS[want.element_size()])
+    assert torch.equal(a, b), f"{what}: {int((a != b).sum())} elements differ"
+
+
+# ---- gated delta net: vLLM-CPU's forward, stored segment by segment ----------------------------
+
+WIDTH, DIM, HEADS, V, K = 4, 6, 2, 3, 4
+NUM_BLOCKS = 40
+
+
+def _recurrent_stand_in(layer, md, mixed_qkv, b, a, out):
+    """A recurrent layer with vLLM's CPU GDN calling contract (as tests/test_cpu_gdn_interior.py)."""
+    conv, ssm = layer.kv_cache
+    starts = md.non_spec_query_start_loc.tolist()
+    for row in range(md.num_decodes + md.num_prefills):
+        slot = int(md.non_spec_state_indices_tensor[row])
+        if row >= md.num_decodes and not bool(md.has_initial_state[row]):
+            conv[slot] = 0
+            ssm[slot] = 0
+        for t in range(starts[row], starts[row + 1]):
+            window = conv[slot] if layer.sd else conv[slot].T
+            stream = torch.cat([window, mixed_qkv[t: t + 1].to(window.dtype)])
+            y = torch.tanh((stream.float() * layer.weight).sum(0))
+            conv[slot] = stream[1:] if layer.sd else stream[1:].T
+            decay = torch.sigmoid(a[t]).view(HEADS, 1, 1)
+            ssm[slot] = (ssm[slot].float() * decay + torch.outer(y[:V], y[:K]) * b[t].view(HEADS, 1, 1)
+                         ).to(ssm.dtype)
+            out[t] = ssm[slot].float().sum((-1, -2))
+
+
+@dataclasses.dataclass
+class _GDNMetadata:
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    num_actual_tokens: int
+    non_spec_query_start_loc: torch.Tensor
+    non_spec_state_indices_tensor: torch.Tensor
+    has_initial_state: torch.Tensor
+
+
+@pytest.mark.parametrize("dim_first", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gdn_interior_states_through_triton_equal_the_reference(forced_triton, monkeypatch, rng, dim_first,
+                                                                dtype):
+    monkeypatch.setattr(gdn_forward._module(), "is_conv_state_dim_first", lambda: dim_first)
+    pick = random.Random(int(torch.randint(1 << 30, (1,), generator=rng)))
+    lengths = [1, pick.randint(2, 9), pick.randint(20, 30), pick.randint(20, 30)]
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    md = _GDNMetadata(1, 1, 3, starts[-1] - 1, starts[-1], torch.tensor(starts, dtype=torch.int32),
+                      torch.tensor([3, 4, 5, 6], dtype=torch.int32), torch.tensor([True, True, False, True]))
+    blocks = pick.sample(range(10, NUM_BLOCKS), 5)
+    plan = {2: [(4, blocks[0]), (13, blocks[1])], 3: [(1, blocks[2]), (9, blocks[3]), (17, blocks[4])]}
+    conv_shape = (NUM_BLOCKS, DIM, WIDTH - 1) if dim_first else (NUM_BLOCKS, WIDTH - 1, DIM)
+    layer = types.SimpleNamespace(sd=not dim_first, weight=torch.randn(WIDTH, DIM, generator=rng),
+                                  kv_cache=[torch.randn(conv_shape, generator=rng).to(dtype),
+                                            torch.randn(NUM_BLOCKS, HEADS, V, K, generator=rng).to(dtype)])
+    for state in layer.kv_cache:
+        state[blocks] = float("nan")
+    mixed_qkv = torch.randn(starts[-1], DIM, generator=rng).to(dtype)
+    b, a = torch.rand(starts[-1], HEADS, generator=rng), torch.randn(starts[-1], HEADS, generator=rng)
+    ours, theirs = copy.deepcopy(layer), copy.deepcopy(layer)
+    out_ours, out_theirs = (torch.full((starts[-1], HEADS), float("nan")) for _ in range(2))
+
+    forced_triton(lambda: gdn_forward.forward_with_interior_states(
+        _recurrent_stand_in, ours, md, mixed_qkv, b, a, out_ours, plan))
+    _with_reference(monkeypatch, lambda: gdn_forward.forward_with_interior_states(
+        _recurrent_stand_in, theirs, md, mixed_qkv, b, a, out_theirs, plan))
+
+    assert_same_bits(out_ours, out_theirs, "outputs")
+    for mine, ref, what in zip(ours.kv_cache, theirs.kv_cache, ("conv", "ssm")):
+        assert_same_bits(mine, ref, f"{what} cache")
+        assert not mine[blocks].isnan().any(), f"an interior {what} block was not stored"
+
+
+# ---- Mamba2: vLLM's checkpoint and the interior states, from the scan's chunk states -----------
+
+CHUNK, BLOCK, KERNEL, M_DIM = 16, 32, 4, 8
+M_HEADS, HEAD_DIM, D_STATE = 2, 4, 8
+
+
+@pytest.mark.parametrize("dim_first", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mamba2_interior_states_through_triton_equal_the_reference(forced_triton, monkeypatch, rng, dim_first,
+                                                                   dtype):
+    monkeypatch.setattr(layer_utils, "is_conv_state_dim_first", lambda: dim_first)
+    pick = random.Random(int(torch.randint(1 << 30, (1,), generator=rng)))
+    # a decode, then [0, 110) with vLLM's checkpoint at 96, and [64, 164)
+    prefills = [(0, 110), (64, 100)]
+    query_start = torch.tensor([0, 1, 111, 211])
+    seq_lens = torch.tensor([300, 110, 164])
+    blocks = pick.sample(range(1, NUM_BLOCKS), 8)
+    table = torch.zeros(3, 8, dtype=torch.int32)
+    table[1, [0, 1, 2, 3]] = torch.tensor(blocks[:4], dtype=torch.int32)
+    table[2, [2, 3, 4, 5]] = torch.tensor(blocks[4:], dtype=torch.int32)
+    vllm_offsets = [96, 0]
+    plan = mamba2_plan.plan_interior_states(
+        table, query_start, seq_lens, 1, 2, 1, BLOCK, CHUNK, vllm_offsets,
+        mamba_attn.BaseMambaAttentionMetadataBuilder._compute_chunk_metadata)
+    assert plan is not None and plan.batch.dst_block.numel() == 5  # 32, 64 | 96, 128, 160
+    _, _, _, vllm_chunks = mamba_attn.BaseMambaAttentionMetadataBuilder._compute_chunk_metadata(
+        CHUNK, 2, torch.tensor([c for c, _ in prefills]), query_start[1:] - 1, vllm_offsets)
+    checkpoint = checkpoint_md.MambaPrefillCheckpointMetadata(
+        checkpoint_offsets=torch.tensor(vllm_offsets, dtype=torch.int32),
+        state_indices=torch.tensor([int(table[1, 2]), 0], dtype=torch.int32), offsets=vllm_offsets)
+    setattr(checkpoint, mamba2_plan.INTERIOR_ATTR, plan)
+    written = [int(table[1, 2]), *plan.batch.dst_block.tolist()]
+
+    x = torch.randn(M_DIM, 210, generator=rng).to(dtype)
+    chunk_states = torch.randn(int(plan.batch.temporal_row.max()) + 3, M_HEADS, HEAD_DIM, D_STATE,
+                               generator=rng)  # fp32 scan states into the cache's dtype
+    conv = torch.randn(NUM_BLOCKS, *((M_DIM, KERNEL - 1) if dim_first else (KERNEL - 1, M_DIM)),
+                       generator=rng).to(dtype)
+    ssm = torch.randn(NUM_BLOCKS, M_HEADS, HEAD_DIM, D_STATE, generator=rng).to(dtype)
+    conv[written] = float("nan")
+    ssm[written] = float("nan")
+    caches = {"ours": (conv.clone(), ssm.clone()), "theirs": (conv.clone(), ssm.clone())}
+
+    def store(which):
+        conv_cache, ssm_cache = caches[which]
+        return lambda: mamba2_store.store_prefill_checkpoint(
+            checkpoint, torch.tensor([max(c, 0) for c in vllm_chunks]), x,
+            conv_cache if dim_first else conv_cache.transpose(-1, -2), chunk_states, ssm_cache,
+            query_start[1:] - 1, state_len=KERNEL - 1)
+
+    forced_triton(store("ours"))
+    _with_reference(monkeypatch, store("theirs"))
+    for mine, ref, what in zip(caches["ours"], caches["theirs"], ("conv", "ssm")):
+        assert_same_bits(mine, ref, f"{what} cache")
+        assert not mine[written].isnan().any(), f"a {what} checkpoint block was not stored"

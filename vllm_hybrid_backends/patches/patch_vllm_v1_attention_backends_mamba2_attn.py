@@ -1,0 +1,228 @@
+"""Tell Mamba2's forward where to store states inside a prefill chunk.
+
+- Target: ``vllm.v1.attention.backends.mamba2_attn.Mamba2AttentionMetadataBuilder.build`` and
+  ``.update_block_table``.
+- Why: the KV-cache manager gives the plugin's tail checkpoints blocks inside a prefill chunk
+  instead of splitting it (``patch_vllm_v1_core_kv_cache_coordinator``); vLLM's Mamba2 metadata
+  describes one prefill checkpoint per row (``checkpoint_meta``), so the forward cannot see
+  those blocks.
+- How: after vLLM's build, each prefill row's block-table row is read with
+  :func:`vllm_hybrid_backends.align.interior_checkpoints` (as for the gated delta net); the
+  column of vLLM's own checkpoint is left to vLLM. Every such boundary ends a chunk of vLLM's
+  SSD chunk table (chunks end at absolute multiples of the chunk size, and Mamba block sizes
+  are multiples of it), so the scan's chunk states hold the state there. The boundaries become
+  one :class:`~vllm_hybrid_backends.types.CheckpointBatch` per step (conv window ends in the
+  prefill tokens, chunk rows, destination blocks), set on ``checkpoint_meta`` as
+  :data:`INTERIOR_ATTR`; the Mamba2 checkpoint-store patch
+  (``patch_vllm_model_executor_layers_mamba_mamba_mixer2``) stores it with vLLM's checkpoint
+  through ``hb_store_checkpoints``. A step where vLLM places no checkpoint gets an empty one
+  (every offset 0, so vLLM stores nothing), which makes ``MambaMixer2`` ask the scan for its
+  chunk states and call the store. ``update_block_table`` (the other KV-cache groups of the same
+  spec) re-gathers the destination blocks from that group's table: same rows and columns.
+  Only align mode without speculative decoding, with the block table on the CPU, is read (the
+  manager gives interior blocks to nothing else, and reading a device table would sync).
+- Upstream: none; vLLM plans one prefill checkpoint per row (``compute_mamba_prefill_checkpoints``).
+- vLLM versions: 0.32.x, 0.33.x (same builder, ``checkpoint_meta`` and chunk table).
+- Removal: when vLLM plans several prefill checkpoints per row itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+from .. import align
+
+TARGET_MODULE = "vllm.v1.attention.backends.mamba2_attn"
+TARGET_SYMBOLS = ("Mamba2AttentionMetadataBuilder.build",
+                  "Mamba2AttentionMetadataBuilder.update_block_table")
+PROCESS = "worker"
+VLLM_VERSIONS = ">=0.32.0,<0.34.0"
+
+CHECKPOINT_MODULE = "vllm.model_executor.layers.mamba.checkpoint"
+#: Attribute of a ``MambaPrefillCheckpointMetadata`` holding the step's :class:`InteriorPlan`.
+INTERIOR_ATTR = "hybrid_interior_plan"
+
+_ORIGINALS: dict[str, Any] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class InteriorPlan:
+    """The interior states of one step: what to store, and where each destination came from
+    in the block table (``block_table[request_rows[k], block_cols[k]]``)."""
+
+    batch: Any  # CheckpointBatch
+    request_rows: Any
+    block_cols: Any
+
+    def regather(self, block_table: Any) -> InteriorPlan:
+        """The same plan for another KV-cache group, whose blocks are in ``block_table``."""
+        blocks = block_table[self.request_rows, self.block_cols].long()
+        return dataclasses.replace(self, batch=dataclasses.replace(self.batch, dst_block=blocks))
+
+
+def _builder_class() -> Any:
+    return importlib.import_module(TARGET_MODULE).Mamba2AttentionMetadataBuilder
+
+
+def not_needed() -> str | None:
+    """vLLM before 0.32 has no Mamba2 prefill checkpoint to carry the interior states."""
+    import importlib.util
+
+    if importlib.util.find_spec(CHECKPOINT_MODULE) is None:
+        return "this vLLM has no Mamba2 prefill checkpoint metadata (added in 0.32)"
+    return None
+
+
+def missing() -> list[str]:
+    try:
+        cls = _builder_class()
+        checkpoint = importlib.import_module(CHECKPOINT_MODULE)
+    except Exception as exc:
+        return [f"import {TARGET_MODULE}: {exc}"]
+    problems = [f"{TARGET_MODULE}.{symbol}" for symbol in TARGET_SYMBOLS
+                if not callable(getattr(cls, symbol.split(".")[1], None))]
+    if not callable(getattr(cls, "_compute_chunk_metadata", None)):
+        problems.append(f"{TARGET_MODULE}.Mamba2AttentionMetadataBuilder._compute_chunk_metadata")
+    fields = {f.name for f in dataclasses.fields(checkpoint.MambaPrefillCheckpointMetadata)}
+    for name in ("checkpoint_offsets", "state_indices", "offsets", "request_rows", "block_cols"):
+        if name not in fields:
+            problems.append(f"{CHECKPOINT_MODULE}.MambaPrefillCheckpointMetadata.{name}")
+    return problems
+
+
+def plan_interior_states(block_table: Any, query_start_loc: Any, seq_lens: Any, first_row: int,
+                         num_prefills: int, num_decode_tokens: int, block_size: int,
+                         chunk_size: int, vllm_offsets: list[int] | None,
+                         compute_chunk_metadata: Any) -> InteriorPlan | None:
+    """The interior states of the prefill rows ``first_row ..`` (host tensors), or None.
+
+    ``vllm_offsets`` are vLLM's own checkpoint offsets per prefill row (0: none), skipped here;
+    ``compute_chunk_metadata`` is vLLM's ``_compute_chunk_metadata`` (the chunk table the scan
+    runs over, so each boundary's chunk index is the one vLLM's scan returns its state at).
+    """
+    import torch
+
+    from ..types import CheckpointBatch
+
+    rows, cols, token_end, seq_start, blocks, ends = [], [], [], [], [], []
+    for p in range(num_prefills):
+        r = first_row + p
+        first_token = int(query_start_loc[r])
+        query_len = int(query_start_loc[r + 1]) - first_token
+        if query_len <= block_size:
+            continue
+        end = int(seq_lens[r])
+        start = end - query_len
+        low, high = -(-start // block_size), -(-end // block_size) - 1
+        if low >= high:
+            continue
+        ids = [0] * low + block_table[r, low:high].tolist()
+        skip = vllm_offsets[p] if vllm_offsets else 0
+        for offset, block in align.interior_checkpoints(ids, start, end, block_size):
+            if offset == skip:
+                continue
+            rows.append(r)
+            cols.append((start + offset) // block_size - 1)
+            seq_start.append(first_token - num_decode_tokens)
+            token_end.append(first_token - num_decode_tokens + offset)
+            blocks.append(block)
+            ends.append((p, offset))
+    if not rows:
+        return None
+    query_start_p = query_start_loc[first_row: first_row + num_prefills + 1] - num_decode_tokens
+    computed_p = seq_lens[first_row: first_row + num_prefills] - (query_start_p[1:] -
+                                                                    query_start_p[:-1])
+    bounds, owners, _, _ = compute_chunk_metadata(chunk_size, num_prefills, computed_p,
+                                                  query_start_p, vllm_offsets)
+    chunk_ending: dict[tuple[int, int], int] = {}  # (prefill row, query offset) -> chunk ending there
+    for chunk, owner in enumerate(owners):
+        chunk_ending.setdefault((owner, bounds[chunk + 1] - int(query_start_p[owner])), chunk)
+    chunks = []
+    for p, offset in ends:
+        if (p, offset) not in chunk_ending:
+            raise ValueError(
+                f"Mamba2 interior state at offset {offset} of prefill row {p} is not a chunk end "
+                f"(block size {block_size}, SSD chunk size {chunk_size}): the block size must be "
+                "a multiple of the chunk size")
+        chunks.append(chunk_ending[(p, offset)])
+    device = block_table.device
+
+    def as_long(values: list[int]) -> Any:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    batch = CheckpointBatch(token_end=as_long(token_end), seq_start=as_long(seq_start),
+                            initial_block=torch.full((len(rows),), -1, dtype=torch.long,
+                                                     device=device),
+                            dst_block=as_long(blocks), temporal_row=as_long(chunks))
+    return InteriorPlan(batch, as_long(rows), as_long(cols))
+
+
+def _empty_checkpoint(m: Any, first_row: int, num_prefills: int) -> Any:
+    """vLLM's checkpoint metadata for a step without its checkpoints: every offset 0."""
+    import torch
+
+    checkpoint = importlib.import_module(CHECKPOINT_MODULE)
+    device = m.query_start_loc.device
+    zeros = torch.zeros(num_prefills, dtype=torch.int32, device=device)
+    return checkpoint.MambaPrefillCheckpointMetadata(
+        checkpoint_offsets=zeros, state_indices=zeros.clone(), offsets=[0] * num_prefills,
+        request_rows=torch.arange(first_row, first_row + num_prefills, device=device),
+        block_cols=torch.full((num_prefills,), -1, dtype=torch.long, device=device))
+
+
+def build(self: Any, common_prefix_len: int, common_attn_metadata: Any, *args: Any,
+          **kwargs: Any) -> Any:
+    metadata = _ORIGINALS["build"](self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+    m = common_attn_metadata
+    if (not metadata.num_prefills or m.block_table_tensor.device.type != "cpu"
+            or getattr(self.vllm_config.cache_config, "mamba_cache_mode", None) != "align"
+            or self.kv_cache_spec.num_speculative_blocks or m.seq_lens_cpu_upper_bound is None):
+        return metadata
+    first_row = metadata.num_decodes
+    checkpoint = metadata.checkpoint_meta
+    plan = plan_interior_states(
+        m.block_table_tensor, m.query_start_loc_cpu, m.seq_lens_cpu_upper_bound, first_row,
+        metadata.num_prefills, metadata.num_decode_tokens, self.kv_cache_spec.block_size,
+        metadata.chunk_size, None if checkpoint is None else checkpoint.offsets,
+        self._compute_chunk_metadata)
+    if plan is None:
+        return metadata
+    if checkpoint is None:
+        import torch
+
+        checkpoint = _empty_checkpoint(m, first_row, metadata.num_prefills)
+        metadata = dataclasses.replace(
+            metadata, checkpoint_meta=checkpoint,
+            checkpoint_chunk_idx=torch.zeros(metadata.num_prefills, dtype=torch.long,
+                                             device=m.query_start_loc.device))
+    setattr(checkpoint, INTERIOR_ATTR, plan)
+    return metadata
+
+
+def update_block_table(self: Any, metadata: Any, blk_table: Any, slot_mapping: Any) -> Any:
+    updated = _ORIGINALS["update_block_table"](self, metadata, blk_table, slot_mapping)
+    plan = getattr(metadata.checkpoint_meta, INTERIOR_ATTR, None)
+    if plan is not None:
+        checkpoint = updated.checkpoint_meta
+        if checkpoint is metadata.checkpoint_meta:  # not re-gathered: keep the source's alone
+            checkpoint = dataclasses.replace(checkpoint)
+            updated = dataclasses.replace(updated, checkpoint_meta=checkpoint)
+        setattr(checkpoint, INTERIOR_ATTR, plan.regather(blk_table))
+    return updated
+
+
+def apply() -> None:
+    cls = _builder_class()
+    for name, wrapper in (("build", build), ("update_block_table", update_block_table)):
+        if getattr(cls, name) is not wrapper:
+            _ORIGINALS[name] = getattr(cls, name)
+            setattr(cls, name, wrapper)
+
+
+def revert() -> None:
+    cls = _builder_class()
+    for name in ("build", "update_block_table"):
+        if name in _ORIGINALS:
+            setattr(cls, name, _ORIGINALS.pop(name))
