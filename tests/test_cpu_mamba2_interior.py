@@ -288,9 +288,11 @@ def test_the_engine_plans_interior_blocks_for_mamba2_on_vllm_cpu(monkeypatch):
     from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
 
     monkeypatch.setattr(coordinator, "interior_override", None)
-    # as on vLLM-CPU 0.32+ with every worker patch applying (the kind rule is what is tested)
+    # as on vLLM-CPU 0.32+ with every worker reporting its patches applied at engine start
+    # (the kind rule is what is tested; the handshake itself: tests/test_handshake.py)
     monkeypatch.setattr(coordinator, "_cpu_platform", lambda: True)
-    monkeypatch.setattr(coordinator, "_worker_patches_apply", lambda: True)
+    monkeypatch.setattr(coordinator.handshake, "current", lambda: coordinator.handshake.WorkerSupport(
+        established=True, features=frozenset(coordinator.handshake.WORKER_FEATURES)))
     monkeypatch.setattr(coordinator, "_INTERIOR_VERIFIED", True)
     # MambaMixer2's spec carries vLLM's prefill checkpoint block; the interior blocks go beside it
     assert coordinator.stores_interior(_spec("MAMBA2", 1))

@@ -106,6 +106,34 @@ def test_console_script_exit_code(tmp_path):
     assert "not a ROCm/HIP build" in done.stderr
 
 
+def test_doctor_says_when_the_worker_handshake_happens_and_its_result(fresh_plugins, capsys):
+    from vllm_hybrid_backends import handshake, patches
+
+    handshake.reset()
+    try:
+        _, out, _ = run_doctor(capsys, "--json")
+        shake = json.loads(out)["worker_handshake"]
+        assert "engine start" in shake["when"] and shake["result"] is None  # doctor runs no engine
+        assert shake["features"] == {f: list(p) for f, p in handshake.WORKER_FEATURES.items()}
+        refused = {name: patches.REFUSED for name in handshake.WORKER_FEATURES["gdn_interior_states"]}
+        handshake.establish(lambda method: [{"pid": 5, "patches": refused}])
+        _, out, _ = run_doctor(capsys)
+        assert "this engine: 1 worker(s); on: none" in out
+        assert any(line.split()[:2] == ["gdn_interior_states", "only"] for line in out.splitlines())
+    finally:
+        handshake.reset()
+
+
+def test_doctor_says_what_it_defers_to_vllm_ascend_only_where_installed(fresh_plugins, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_vllm_ascend_version", lambda: None)
+    _, out, _ = run_doctor(capsys, "--json")
+    assert json.loads(out)["vllm_ascend_composition"] == []
+    monkeypatch.setattr(cli, "_vllm_ascend_version", lambda: "0.26.0rc1")
+    _, out, _ = run_doctor(capsys)
+    assert "vllm-ascend: 0.26.0rc1" in out
+    assert "the plugin defers the hit search to it" in out and "BalanceScheduler" in out
+
+
 def _tail_states(capsys):
     status, out, _ = run_doctor(capsys, "--json")
     assert status == 0

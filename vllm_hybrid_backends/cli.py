@@ -105,6 +105,32 @@ def _patch_statuses(version: str | None) -> list[dict[str, str]]:
     return statuses
 
 
+def _worker_handshake() -> dict[str, Any]:
+    """What the engine enables only after every worker reported the patches it needs, and the
+    result where this process ran an engine core's handshake (doctor itself runs none)."""
+    from . import handshake
+
+    support = handshake.current()
+    return {
+        "when": "at each engine start, before the scheduler is built "
+                "(EngineCore._initialize_kv_caches, patch_vllm_v1_engine_core)",
+        "features": {feature: list(needed) for feature, needed in handshake.WORKER_FEATURES.items()},
+        "result": support.to_json() if support.established else None,
+    }
+
+
+#: How the plugin composes with vllm-ascend's own patches (checked against the real sources of
+#: vllm-ascend 0.23.0 / 0.26.0rc1 by ``make test-ascend-contract``; docs/ascend.md).
+VLLM_ASCEND_COMPOSITION = (
+    "NPUWorker.__init__ re-assigns mamba_utils copy functions: the plugin re-applies its worker "
+    "patches after it (patch_vllm_ascend_worker_worker), so the selected backend stays the one "
+    "called",
+    "BalanceScheduler replaces the module's Scheduler but inherits vLLM's "
+    "_mamba_block_aligned_split, which the plugin patches: it gets the plugin's chunk split",
+    "AscendHybridKVCacheCoordinator.find_longest_cache_hit: the plugin defers the hit search to "
+    "it (it carries vllm-ascend's PD / full-attention-only hit logic) and only records the hits "
+    "it returns (wrapped at engine start)",
+)
 #: Mamba layer kinds (vLLM's ``MambaAttentionBackendEnum`` names) and whether vLLM's own
 #: layer exports a prefill checkpoint from inside the forward (Mamba2 does, from vLLM 0.32).
 MAMBA_KINDS = (("GDN_ATTN", False), ("MAMBA2", True), ("MAMBA1", False), ("SHORT_CONV", False))
@@ -127,6 +153,9 @@ def tail_state_paths(version: str | None) -> list[dict[str, Any]]:
         return [{"kind": kind, "inside_chunk": False, "how": str(exc)} for kind, _ in MAMBA_KINDS]
     platform = _vllm_platform()
     has_checkpoint = importlib.util.find_spec("vllm.model_executor.layers.mamba.checkpoint")
+    from . import handshake
+
+    expected = handshake.expected_here()  # established per engine at its start; see doctor
     rows = []
     for kind, vllm_checkpoint in MAMBA_KINDS:
         vllm_checkpoint = vllm_checkpoint and has_checkpoint is not None  # Mamba2 from 0.32
@@ -134,7 +163,7 @@ def tail_state_paths(version: str | None) -> list[dict[str, Any]]:
                                      num_prefill_checkpoint_blocks=int(vllm_checkpoint),
                                      mamba_type=types.SimpleNamespace(name=kind))
         inside = policy.interior_states and policy.tail_checkpoints > 0 and \
-            coordinator.stores_interior(spec)
+            coordinator.stores_interior(spec, expected)
         fallback = ("no tail states, vLLM's one prefill checkpoint" if vllm_checkpoint
                     else "chunk splits")
         if not policy.tail_checkpoints:
@@ -184,6 +213,8 @@ def doctor_report() -> tuple[dict[str, Any], int]:
             "; ".join(f"{p['patch']} refused: {p['reason']}" for p in refused) or
             "every required patch can apply"),
         "patches": patch_statuses,
+        "worker_handshake": _worker_handshake(),
+        "vllm_ascend_composition": list(VLLM_ASCEND_COMPOSITION) if _vllm_ascend_version() else [],
         "tail_states": tail_state_paths(version),
         "platform": _vllm_platform(),
         "device_kind": detect_device_kind().value,
@@ -220,11 +251,20 @@ def _print_human(report: dict[str, Any]) -> None:
         print(f"           {report['vllm_supported_reason']}")
     if report["vllm_ascend_version"]:
         print(f"vllm-ascend: {report['vllm_ascend_version']}")
+        for line in report["vllm_ascend_composition"]:
+            print(f"  - {line}")
     if report["patches"]:
         print("patches:")
         for patch in report["patches"]:
             reason = f": {patch['reason']}" if patch["reason"] else ""
             print(f"  {patch['patch']:<58} {patch['process']:<6} {patch['state']}{reason}")
+    shake = report["worker_handshake"]
+    print(f"handshake: {shake['when']}; the engine enables")
+    for feature, needed in shake["features"].items():
+        print(f"  {feature:<22} only if every worker applied {', '.join(needed)}")
+    if shake["result"] is not None:
+        on = ", ".join(shake["result"]["features"]) or "none"
+        print(f"  this engine: {len(shake['result']['workers'])} worker(s); on: {on}")
     if report["tail_states"]:
         print("tail states (align mode, no speculative decoding):")
         for row in report["tail_states"]:

