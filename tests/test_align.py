@@ -477,3 +477,21 @@ def test_decode_states_past_the_step_limit_are_not_kept(monkeypatch):
     monkeypatch.setenv(align.DECODE_MAX_STEPS_ENV, "-3")
     with pytest.raises(ValueError, match=r"DECODE_CHECKPOINT_MAX_STEPS='-3'.*>= 0"):
         align.current_policy()
+
+
+def test_a_family_of_kinds_nobody_reuses_stops_being_admitted_as_a_whole():
+    # dense tails: eight distances, none warmed up alone, none ever reused
+    ledger = align.RetentionLedger()
+    block = 0
+    for distance in range(1, 9):
+        for _ in range(align.RETENTION_WARMUP - 1):
+            ledger.record_kept(f"tail-{distance}", block, ("h", block))
+            block += 1
+    assert all(ledger.kept[f"tail-{d}"] < align.RETENTION_WARMUP for d in range(1, 9))
+    admitted = [r for r in (f"r{i}" for i in range(200)) if ledger.admits("tail-3", r)]
+    assert len(admitted) < 200 / align.RETENTION_EXPLORE * 1.5  # only exploration
+    # reuse anywhere in the family lets every distance warm up on its own again
+    for hit in range(0, block, 2):
+        ledger.record_hit(hit, ("h", hit))
+    assert all(ledger.admits("tail-5", f"s{i}") for i in range(50))
+    assert ledger.admits("decode", "r0")  # other families are not affected

@@ -236,6 +236,9 @@ class RetentionLedger:
     def __init__(self) -> None:
         self.kept: dict[str, int] = {}
         self.reused: dict[str, int] = {}
+        #: the same counts per family of kinds (``tail`` for every ``tail-<distance>``)
+        self.family_kept: dict[str, int] = {}
+        self.family_reused: dict[str, int] = {}
         self._decisions: dict[str, dict[str, bool]] = {}
         self._states: dict[int, tuple[str, object, bool]] = {}  # block id -> (kind, hash, reused)
 
@@ -243,7 +246,11 @@ class RetentionLedger:
         decisions = self._decisions.setdefault(request_id, {})
         decision = decisions.get(kind)
         if decision is None:
+            family = kind.split("-", 1)[0]
             decision = admits_kind(self.kept.get(kind, 0), self.reused.get(kind, 0), request_id)
+            if decision and family != kind:  # e.g. every tail distance: the family must pay too
+                decision = admits_kind(self.family_kept.get(family, 0),
+                                       self.family_reused.get(family, 0), request_id)
             decisions[kind] = decision
         return decision
 
@@ -252,11 +259,13 @@ class RetentionLedger:
         if entry is not None and entry[1] == block_hash:
             return
         self._states[block_id] = (kind, block_hash, False)
-        self.kept[kind] = self.kept.get(kind, 0) + 1
-        self.reused.setdefault(kind, 0)
-        if self.kept[kind] > RETENTION_WINDOW:
-            self.kept[kind] //= 2
-            self.reused[kind] //= 2
+        for kept, reused, key in ((self.kept, self.reused, kind),
+                                  (self.family_kept, self.family_reused, kind.split("-", 1)[0])):
+            kept[key] = kept.get(key, 0) + 1
+            reused.setdefault(key, 0)
+            if kept[key] > RETENTION_WINDOW:
+                kept[key] //= 2
+                reused[key] //= 2
 
     def record_hit(self, block_id: int, block_hash: object) -> None:
         entry = self._states.get(block_id)
@@ -264,6 +273,7 @@ class RetentionLedger:
             return
         self._states[block_id] = (entry[0], block_hash, True)
         self.reused[entry[0]] += 1
+        self.family_reused[entry[0].split("-", 1)[0]] += 1
 
     def proven(self, kind: str) -> bool:
         """Whether a kind's states have earned ordinary LRU treatment (warmed up and reused)."""

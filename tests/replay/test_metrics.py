@@ -108,7 +108,9 @@ def test_gap_to_ideal_parts_add_up_to_ideal_minus_hit(policy, unit):
     assert gap["other"] == 0
     # the trace exercises every cause: a 45-token system prompt (granularity), branch points
     # without states (placement) and fillers through a small pool (capacity)
-    assert gap["granularity"] > 0 and gap["placement"] > 0 and gap["capacity"] > 0, gap
+    # (the plugin may close the placement part: its states sit at the branch points)
+    assert gap["granularity"] > 0 and gap["capacity"] > 0, gap
+    assert gap["placement"] > 0 if policy == "upstream" else gap["placement"] >= 0, gap
 
 
 @pytest.mark.slow
