@@ -1,5 +1,5 @@
 """The engine/worker handshake in one process (the real-engine mismatch runs are in
-``tests/e2e/test_handshake.py``)."""
+``tests/e2e/test_engine_worker_handshake.py``)."""
 
 from __future__ import annotations
 
