@@ -212,12 +212,16 @@ def _layer_specs(shape: ModelShape, layout: KVLayout) -> dict[str, Any]:
 
 
 def vllm_has_prefix_match_unit() -> bool:
-    """vLLM 0.32+ has ``CacheConfig.prefix_match_unit`` (sub-block prefix hits)."""
+    """vLLM 0.32+ has ``CacheConfig.prefix_match_unit`` (sub-block prefix hits); an earlier
+    field of that name (0.30) attributes partial hits differently and is not used."""
     import dataclasses
 
     from vllm.config import CacheConfig
 
-    return any(f.name == "prefix_match_unit" for f in dataclasses.fields(CacheConfig))
+    from ..compat import version_allows
+
+    return version_allows(">=0.32") and any(
+        f.name == "prefix_match_unit" for f in dataclasses.fields(CacheConfig))
 
 
 def _prefill_checkpoint_fields(spec_class: Any, checkpoint: bool) -> dict[str, Any]:
