@@ -57,7 +57,7 @@ bench-serve-smoke: setup
 
 # On a bare GPU machine (torch, triton, pluggy; no vLLM, no setup): the Triton backend's hooks vs
 # the reference, host-sync check, copy bandwidth. Without a GPU: one line, exit status 2.
-PYTHON ?= python3
+PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 gpu-check:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m vllm_hybrid_backends.gpu_check
 

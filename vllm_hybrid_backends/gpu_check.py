@@ -20,12 +20,21 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from . import reference
-from .types import CheckpointBatch, MambaStateTensor, StateKind
-
 NO_GPU_EXIT = 2
+
+try:
+    import pluggy  # noqa: F401  (the backends' hook registry)
+    import torch
+except ImportError as missing:  # a machine without the requirements: one line, no traceback
+    if __name__ != "__main__":
+        raise
+    print(f"gpu-check: {missing.name} is not installed for {sys.executable}; the check needs torch "
+          "(a CUDA or ROCm build), triton and pluggy (`make gpu-check PYTHON=...` picks another "
+          "interpreter)", file=sys.stderr)
+    sys.exit(NO_GPU_EXIT)
+
+from . import reference  # noqa: E402  (after the requirements check)
+from .types import CheckpointBatch, MambaStateTensor, StateKind  # noqa: E402
 
 
 def _triton_backend() -> Any:

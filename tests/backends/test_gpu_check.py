@@ -59,6 +59,19 @@ def test_without_a_gpu_it_says_so_in_one_line_and_fails():
     assert len(lines) == 1 and lines[0].startswith("gpu-check: no CUDA/HIP GPU visible"), result.stderr
 
 
+
+@pytest.mark.no_device
+def test_without_torch_the_module_run_says_so_in_one_line_and_fails():
+    code = """
+sys.modules["torch"] = None  # as on a machine where torch is not installed
+import runpy
+runpy.run_module("vllm_hybrid_backends.gpu_check", run_name="__main__")
+"""
+    result = _run(code)
+    assert result.returncode == gpu_check.NO_GPU_EXIT, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-check: torch is not installed"), result.stderr
+
 def test_parity_passes_for_the_triton_kernels_in_the_interpreter(interpreted_kernels):
     assert gpu_check.check_parity(CUDA, "cpu") == {hook: "ok" for hook in gpu_check.parity_cases("cpu")}
 
