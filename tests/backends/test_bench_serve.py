@@ -70,7 +70,40 @@ def test_percentile_interpolates(bench):
     assert bench.percentile([1.0, 2.0], 0.99) == pytest.approx(1.99)
 
 
+def test_ttft_ratio_per_pair_with_median_and_spread(bench):
+    upstream = [{"ttft_mean_s": 2.0}, {"ttft_mean_s": 1.0}, {"ttft_mean_s": 4.0}]
+    plugin = [{"ttft_mean_s": 1.0}, {"ttft_mean_s": 0.9}, {"ttft_mean_s": 1.0}]
+    stats = bench.ttft_ratio_stats(plugin, upstream)
+    assert stats["ttft_mean_ratio_runs"] == pytest.approx([0.5, 0.9, 0.25])
+    assert stats["ttft_mean_ratio_median"] == pytest.approx(0.5)
+    assert stats["ttft_mean_ratio_spread"] == pytest.approx([0.25, 0.9])
+    assert stats["ttft_mean_ratio"] == pytest.approx(0.55)  # mean of the pairs, not of the runs
+    with pytest.raises(ValueError, match="2 plugin and 3 upstream runs"):
+        bench.ttft_ratio_stats(plugin[:2], upstream)
+
+
+def _turn(bench, ttft, prompt, cached):
+    return bench.TurnResult(0, 0, ttft, None, ttft, 32, "", prompt_tokens=prompt,
+                            cached_tokens=cached)
+
+
+def test_ttft_fit_splits_fixed_cost_from_uncached_tokens(bench):
+    # 0.3 s whatever the cache holds, 1 ms per uncached token
+    turns = [_turn(bench, 0.3 + 1e-3 * (p - c), p, c)
+             for p, c in ((1224, 0), (1500, 1024), (2000, 1920), (2300, 1024))]
+    fit = bench.ttft_vs_uncached(turns)
+    assert fit is not None
+    assert fit["fixed_s"] == pytest.approx(0.3) and fit["s_per_token"] == pytest.approx(1e-3)
+    summary = bench.summarize(turns, 4.0)
+    assert summary["uncached_tokens_per_request"] == pytest.approx((1224 + 476 + 80 + 1276) / 4)
+    # a server that does not report cached tokens: nothing to fit
+    assert bench.ttft_vs_uncached([_turn(bench, 1.0, 100, None)] * 3) is None
+    assert bench.summarize([_turn(bench, 1.0, 100, None)], 1.0)[
+        "uncached_tokens_per_request"] is None
+
+
 @pytest.mark.parametrize(("argv", "message"), [
+    pytest.param(["--repeats", "0"], "--repeats 0: allowed >= 1", id="repeats"),
     pytest.param(["--max-tokens", "8"], "--max-tokens 8: allowed 32..256", id="max-tokens"),
     pytest.param(["--kv-cache-bytes", "0"], "--kv-cache-bytes 0: allowed > 0", id="kv-bytes"),
     pytest.param(["--start-timeout", "0"], "--start-timeout 0.0: allowed > 0", id="start-timeout"),
