@@ -27,8 +27,8 @@ Workload ``prefix_repetition`` and ``timed_trace``: ``vllm bench serve``'s own c
 Mooncake's format; the process re-executes itself with a fixed ``PYTHONHASHSEED`` first (the
 trace's prompt tokens are drawn from Python's string hash).
 
-Multiturn answers are compared with a no-cache server's (upstream, prefix caching off) for the
-very same requests by :func:`judge_answer` (``--no-reference`` skips it).  ``--kv-cache-bytes``
+Every workload's greedy answers are compared with a no-cache server's (upstream, prefix caching
+off) for the very same requests by :func:`judge_answer` (``--no-reference`` skips it).  ``--kv-cache-bytes``
 shrinks every server's KV cache so that it evicts; ``--hybrid-stats`` adds the plugin's own
 counters (``VLLM_HYBRID_STATS=1``).
 
@@ -414,22 +414,60 @@ def judge_answer(reference: list[AnswerToken], answer: list[str], tolerance: flo
     return {"verdict": "near_tie" if tie else "mismatch", "index": index, "gap": gap}
 
 
-def _request_key(messages: list[dict[str, str]]) -> str:
-    return json.dumps(messages, sort_keys=True)
+def _request_key(request: dict[str, Any]) -> str:
+    return json.dumps(request, sort_keys=True)
 
 
-def drive_reference(server: Server, requests: Iterable[list[dict[str, str]]], max_tokens: int
+#: how ``/v1/completions`` names a token with ``return_tokens_as_token_ids``
+TOKEN_ID_PREFIX = "token_id:"
+
+
+def text_token_ids(text: str) -> list[str]:
+    """The tokens of a zoo answer's text, spelled as the completions reference spells them: the
+    word-level tokenizer's word ``t<i>`` is id ``i`` (``"t5 t9"`` -> ``token_id:5``, ...)."""
+    out = []
+    for word in text.split():
+        if not (word.startswith("t") and word[1:].isdigit()):
+            raise ValueError(f"answer word {word!r}: allowed only the zoo tokenizer's t<id>")
+        out.append(f"{TOKEN_ID_PREFIX}{int(word[1:])}")
+    return out
+
+
+async def _completion_reference(client: Any, prompt: str | list[int], max_tokens: int
+                                ) -> list[AnswerToken]:
+    body = {"model": "zoo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "logprobs": 2, "return_tokens_as_token_ids": True}
+    resp = await client.post("/v1/completions", json=body)
+    if resp.status_code != 200:
+        raise RuntimeError(f"completion request failed: {resp.status_code} {resp.text!r}")
+    return parse_completion_logprobs(resp.json()["choices"][0]["logprobs"])
+
+
+def parse_completion_logprobs(logprobs: dict[str, Any]) -> list[AnswerToken]:
+    """``choices[0].logprobs`` of a (non-streamed) completion."""
+    return [AnswerToken(tok, tuple(sorted(top.items(), key=lambda t: -t[1])))
+            for tok, top in zip(logprobs["tokens"], logprobs["top_logprobs"], strict=True)]
+
+
+def drive_reference(server: Server, requests: Iterable[dict[str, Any]]
                     ) -> dict[str, list[AnswerToken]]:
-    """The no-cache server's greedy answer to each distinct request, one request at a time."""
+    """The no-cache server's greedy answer to each distinct request, one request at a time:
+    ``{"messages", "max_tokens"}`` through chat completions, ``{"prompt", "max_tokens"}``
+    through completions."""
     import httpx
 
-    unique = {_request_key(m): m for m in requests}
+    unique = {_request_key(r): r for r in requests}
 
     async def run() -> dict[str, list[AnswerToken]]:
         out = {}
         async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
-            for key, messages in unique.items():
-                out[key] = (await _chat_turn(client, messages, max_tokens)).tokens
+            for key, req in unique.items():
+                if "messages" in req:
+                    out[key] = (await _chat_turn(client, req["messages"],
+                                                 req["max_tokens"])).tokens
+                else:
+                    out[key] = await _completion_reference(client, req["prompt"],
+                                                           req["max_tokens"])
         return out
 
     return asyncio.run(run())
@@ -441,7 +479,7 @@ def identity_counts(turns: list[dict[str, Any]], reference: dict[str, list[Answe
     counts = {"equal": 0, "near_tie": 0, "mismatch": 0}
     details = []
     for turn in turns:
-        ref = reference[_request_key(turn["messages"])]
+        ref = reference[_request_key(turn["request"])]
         res = judge_answer(ref, turn["tokens"], tolerance)
         counts[res["verdict"]] += 1
         i = res["index"]
@@ -613,7 +651,8 @@ def drive_multiturn(server: Server, args: argparse.Namespace) -> dict[str, Any]:
     summary["answers"] = [t.text for t in turns]
     summary["turns"] = [{"conversation": t.conversation, "turn": t.turn, "ttft_s": t.ttft_s,
                          "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
-                         "messages": t.messages, "tokens": [a.token for a in t.tokens]}
+                         "request": {"messages": t.messages, "max_tokens": args.max_tokens},
+                         "tokens": [a.token for a in t.tokens]}
                         for t in turns]
     return summary
 
@@ -649,14 +688,42 @@ def drive_bench_serve(name: str, server: Server, args: argparse.Namespace) -> di
     parser = FlexibleArgumentParser()
     vllm_bench.add_cli_args(parser)
     bench_args = parser.parse_args(bench_serve_argv(name, server, args))
-    with contextlib.redirect_stdout(sys.stderr):  # its report would break --json on stdout
-        out = vllm_bench.main(bench_args)
+    # main() drops the prompts and the answers; keep what its benchmark() got and gave
+    seen: dict[str, Any] = {}
+    benchmark = vllm_bench.benchmark
+
+    async def keep(*a: Any, **kw: Any) -> dict[str, Any]:
+        result = await benchmark(*a, **kw)
+        seen.update(requests=kw["input_requests"], result=dict(result))
+        return result
+
+    vllm_bench.benchmark = keep
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # its report would break --json on stdout
+            out = vllm_bench.main(bench_args)
+    finally:
+        vllm_bench.benchmark = benchmark
     if out.get("failed"):
         raise RuntimeError(f"{name}: {out['failed']} requests failed")
+    turns = bench_serve_turns(seen["requests"], seen["result"])
     return {"requests": out["completed"], "ttft_mean_s": out["mean_ttft_ms"] / 1e3,
             "ttft_p50_s": out["median_ttft_ms"] / 1e3, "ttft_p99_s": out["p99_ttft_ms"] / 1e3,
             "tpot_mean_s": out["mean_tpot_ms"] / 1e3, "req_per_s": out["request_throughput"],
-            "output_tokens": out["total_output_tokens"], "answers": []}
+            "output_tokens": out["total_output_tokens"],
+            "answers": [" ".join(t["tokens"]) for t in turns], "turns": turns}
+
+
+def bench_serve_turns(requests: list[Any], result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each ``vllm bench serve`` request (its ``SampleRequest``) with the answer it got, in the
+    form :func:`identity_counts` judges; ``benchmark()`` returns outputs in request order."""
+    lens = [r.prompt_len for r in requests]
+    if lens != result["input_lens"]:
+        raise RuntimeError("vllm bench serve's outputs are not in its requests' order: prompt "
+                           f"lengths {lens[:4]}... vs {result['input_lens'][:4]}...")
+    return [{"conversation": i, "turn": 0,
+             "request": {"prompt": r.prompt, "max_tokens": r.expected_output_len},
+             "tokens": text_token_ids(text)}
+            for i, (r, text) in enumerate(zip(requests, result["generated_texts"], strict=True))]
 
 
 WORKLOADS = ("multiturn", "prefix_repetition", "timed_trace")
@@ -702,8 +769,7 @@ def reference_answers(runs: list[dict[str, Any]], model: Path, dtype: str,
     progress("starting the no-cache reference server")
     server.start()
     try:
-        return drive_reference(server, (t["messages"] for r in runs for t in r["turns"]),
-                               args.max_tokens)
+        return drive_reference(server, (t["request"] for r in runs for t in r["turns"]))
     finally:
         server.stop()
         serving, _ = server.errors()
@@ -718,7 +784,7 @@ def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -
         progress(f"{name}: pair {rep + 1}/{args.repeats}")
         for policy in PAIR_ORDER:
             runs[policy].append(serve_once(policy, name, model, dtype, args))
-    if name == "multiturn" and args.reference:
+    if args.reference:
         # one no-cache server for every distinct request of every run (greedy, one at a time)
         ref = reference_answers([r for p in POLICIES for r in runs[p]], model, dtype, args)
         for p in POLICIES:
@@ -813,7 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-timeout", type=float, default=HEALTH_TIMEOUT_S,
                         help="seconds a server may take to answer /health")
     parser.add_argument("--no-reference", dest="reference", action="store_false",
-                        help="multiturn: skip the no-cache server and the identity check")
+                        help="skip the no-cache server and the greedy identity check")
     parser.add_argument("--tie-tolerance", type=float, default=TIE_TOLERANCE,
                         help="top-2 logprob gap (nats) up to which a divergence is a near-tie")
     parser.add_argument("--trace-sessions", type=int, default=TraceShape.sessions,

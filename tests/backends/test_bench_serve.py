@@ -266,11 +266,12 @@ def test_logprobs_of_a_vllm_chat_chunk(bench):
 def test_identity_counts_use_the_reference_for_the_same_request(bench):
     m1 = [{"role": "user", "content": "t5 t6"}]
     m2 = [*m1, {"role": "assistant", "content": "t7"}, {"role": "user", "content": "t8"}]
-    reference = {bench._request_key(m1): _ref(bench, ("t7", [("t7", -0.1), ("t3", -0.12)])),
-                 bench._request_key(m2): _ref(bench, ("t4", [("t4", -0.1), ("t9", -4.0)]))}
-    turns = [{"conversation": 0, "turn": 0, "messages": m1, "tokens": ["t3"]},
-             {"conversation": 0, "turn": 1, "messages": m2, "tokens": ["t9"]},
-             {"conversation": 1, "turn": 0, "messages": m1, "tokens": ["t7"]}]
+    r1, r2 = {"messages": m1, "max_tokens": 1}, {"messages": m2, "max_tokens": 1}
+    reference = {bench._request_key(r1): _ref(bench, ("t7", [("t7", -0.1), ("t3", -0.12)])),
+                 bench._request_key(r2): _ref(bench, ("t4", [("t4", -0.1), ("t9", -4.0)]))}
+    turns = [{"conversation": 0, "turn": 0, "request": r1, "tokens": ["t3"]},
+             {"conversation": 0, "turn": 1, "request": r2, "tokens": ["t9"]},
+             {"conversation": 1, "turn": 0, "request": r1, "tokens": ["t7"]}]
     res = bench.identity_counts(turns, reference, 0.1)
     assert (res["equal"], res["near_tie"], res["mismatch"]) == (1, 1, 1)
     assert [(d["conversation"], d["turn"], d["verdict"]) for d in res["not_equal"]] == [
@@ -351,3 +352,39 @@ def test_errors_after_shutdown_are_kept_apart(bench, tmp_path):
     serving, shutdown = server.errors()
     assert [s.split("] ")[1] for s in serving] == ["boom while serving"]
     assert len(shutdown) == 1 and "async_llm.py" in shutdown[0]
+
+
+# --- identity on the vllm bench serve workloads ---------------------------------------------
+
+
+def test_completion_logprobs_and_answer_text_spell_tokens_alike(bench):
+    """vLLM's completion logprobs model (``return_tokens_as_token_ids``), dumped as the server
+    sends it, against a streamed answer's text in the zoo tokenizer's words."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionLogProbs
+
+    wire = json.loads(CompletionLogProbs(
+        tokens=["token_id:7", "token_id:12"], token_logprobs=[-0.5, -0.1],
+        top_logprobs=[{"token_id:9": -1.5, "token_id:7": -0.5},
+                      {"token_id:12": -0.1, "token_id:4": -0.3}]).model_dump_json())
+    ref = bench.parse_completion_logprobs(wire)
+    assert [t.token for t in ref] == ["token_id:7", "token_id:12"]
+    assert ref[0].top == (("token_id:7", -0.5), ("token_id:9", -1.5))
+    answer = bench.text_token_ids(" t7 t4")
+    assert answer == ["token_id:7", "token_id:4"]
+    assert bench.judge_answer(ref, answer, 0.25)["verdict"] == "near_tie"  # gap 0.2 at token 1
+    with pytest.raises(ValueError, match="answer word 'hello': allowed only"):
+        bench.text_token_ids("t7 hello")
+
+
+def test_bench_serve_turns_pair_requests_with_answers_in_order(bench):
+    from vllm.benchmarks.datasets.datasets import SampleRequest
+
+    requests = [SampleRequest(prompt=[5, 6, 7], prompt_len=3, expected_output_len=2),
+                SampleRequest(prompt="t1 t2", prompt_len=2, expected_output_len=1)]
+    turns = bench.bench_serve_turns(requests, {"input_lens": [3, 2],
+                                               "generated_texts": [" t8 t9", " t3"]})
+    assert [(t["request"], t["tokens"]) for t in turns] == [
+        ({"prompt": [5, 6, 7], "max_tokens": 2}, ["token_id:8", "token_id:9"]),
+        ({"prompt": "t1 t2", "max_tokens": 1}, ["token_id:3"])]
+    with pytest.raises(RuntimeError, match="not in its requests' order"):
+        bench.bench_serve_turns(requests, {"input_lens": [2, 3], "generated_texts": ["", ""]})
