@@ -23,7 +23,7 @@ texts **and the answers the server streamed back**, plus a new user text; greedy
 first streamed content, TPOT the mean gap between later tokens.
 
 Workload ``prefix_repetition`` and ``timed_trace``: ``vllm bench serve``'s own code, in-process.
-``timed_trace`` replays a generated production-style trace (:func:`trace_requests`) in
+``timed_trace`` replays a generated production-style trace (:data:`TIMED_TRACE_SHAPE`) in
 Mooncake's format; the process re-executes itself with a fixed ``PYTHONHASHSEED`` first (the
 trace's prompt tokens are drawn from Python's string hash).
 
@@ -57,6 +57,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from vllm_hybrid_backends.replay.workloads import (
+    HASH_BLOCK_KEYS,
+    ConversationShape,
+    conversation_lines,
+)
 from vllm_hybrid_backends.testing.model_zoo import VOCAB_SIZE, build_model, entry_for_dir
 from vllm_hybrid_backends.testing.tokenizer import ids_to_text, save_tokenizer
 
@@ -496,91 +501,21 @@ TRACE_BLOCK = 512  # Mooncake's hash block; ``--timed-trace-chunk-hash-size`` mu
 TRACE_HASH_SEED = "0"  # timed_trace seeds each block's tokens from ``hash(str)``
 
 
-@dataclass(frozen=True)
-class TraceShape:
-    """How the generated trace looks; the defaults load the 2-core CPU server without drowning
-    it (about 0.3 requests/s, bursts of 2-3 requests, prompts up to ~2 300 tokens)."""
-
-    sessions: int = 8
-    system_prompts: int = 2
-    system_blocks: int = 2
-    turns: tuple[int, int] = (2, 4)
-    user_tokens: tuple[int, int] = (100, 300)
-    output_tokens: tuple[int, int] = (32, 96)
-    branch_prob: float = 0.3
-    session_gap_s: float = 8.0
-    think_s: tuple[float, float] = (3.0, 12.0)
-    max_input: int = MAX_MODEL_LEN - 256
+#: The generated trace (:func:`~vllm_hybrid_backends.replay.workloads.conversation_lines`),
+#: shaped to load the 2-core CPU server without drowning it (about 0.3 requests/s, bursts of
+#: 2-3 requests, prompts up to ~2 300 tokens): 2 shared 2-block system prompts, 2-4 turns
+#: carrying the previous prompt, its answer and 100-300 new tokens, branches.
+TIMED_TRACE_SHAPE = ConversationShape(
+    sessions=8, session_rate=1 / 8.0, system_blocks=(2, 2), system_popularity=(1.0, 0.5),
+    ragged_system=False, turns=(2, 4), user_tokens=(100, 300), output_tokens=(32, 96),
+    think_s=(3.0, 12.0), whole_units_only=True, branch_prob=0.3, max_input=MAX_MODEL_LEN - 256)
 
 
-def make_timed_trace(shape: TraceShape = TraceShape(), seed: int = 0) -> list[dict[str, Any]]:
-    """:func:`trace_requests` in Mooncake's four fields."""
-    keys = ("timestamp", "input_length", "output_length", "hash_ids")
-    return [{k: r[k] for k in keys} for r in trace_requests(shape, seed)]
-
-
-def trace_requests(shape: TraceShape = TraceShape(), seed: int = 0) -> list[dict[str, Any]]:
-    """A deterministic Mooncake-format trace: ``timestamp`` (ms), ``input_length``,
-    ``output_length``, ``hash_ids`` (one id per 512-token block, the last one possibly partial).
-
-    Sessions arrive ``session_gap_s`` apart on average (exponential gaps); each opens with one
-    of ``system_prompts`` shared system prompts (the first twice as popular as the next, and so
-    on), and each next turn, ``think_s`` after the previous one, carries the previous prompt,
-    its answer and a new user text.  As in Mooncake, a block is shared only when all of it is:
-    the previous prompt's full blocks keep their ids, the rest (its partial last block, the
-    answer, the new text) gets new ids.  With ``branch_prob`` a session also forks: a request
-    that leaves it after one of its earlier turns (an edited or regenerated message), sharing
-    that turn's full blocks only.  Each row also says where it comes from: ``session``,
-    ``turn`` and, for a branch, ``branch_of`` (the turn it leaves after).
-    """
-    rng = random.Random(seed)
-    next_id = 0
-
-    def fresh(n: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + n))
-        next_id += n
-        return ids
-
-    def blocks(tokens: int) -> int:
-        return -(-tokens // TRACE_BLOCK)
-
-    systems = [fresh(shape.system_blocks) for _ in range(shape.system_prompts)]
-    weights = [1.0 / (i + 1) for i in range(shape.system_prompts)]
-    rows: list[dict[str, Any]] = []
-    start = 0.0
-    for session in range(shape.sessions):
-        start += rng.expovariate(1.0 / shape.session_gap_s)
-        system = rng.choices(systems, weights)[0]
-        ids, length, t = list(system), len(system) * TRACE_BLOCK, start
-        history: list[tuple[list[int], int]] = []  # (full block ids, tokens) after each turn
-        for turn in range(rng.randint(*shape.turns)):
-            # only the previous prompt's full blocks carry over: the block its answer completes
-            # holds tokens (the server's answer) no earlier prompt had
-            full = length // TRACE_BLOCK if turn == 0 else history[-1][1] // TRACE_BLOCK
-            length += rng.randint(*shape.user_tokens)
-            if length > shape.max_input:
-                break
-            ids = ids[:full] + fresh(blocks(length) - full)
-            out = rng.randint(*shape.output_tokens)
-            rows.append({"t": t, "input_length": length, "output_length": out,
-                         "hash_ids": list(ids), "session": session, "turn": turn,
-                         "branch_of": None})
-            history.append((ids[:length // TRACE_BLOCK], length))
-            if turn and rng.random() < shape.branch_prob:
-                parent = rng.randrange(turn)
-                kept, kept_len = history[parent]
-                fork_len = min(kept_len + rng.randint(*shape.user_tokens), shape.max_input)
-                rows.append({"t": t + rng.uniform(*shape.think_s) / 2, "input_length": fork_len,
-                             "output_length": rng.randint(*shape.output_tokens),
-                             "hash_ids": kept + fresh(blocks(fork_len) - len(kept)),
-                             "session": session, "turn": turn, "branch_of": parent})
-            length += out
-            t += rng.uniform(*shape.think_s)
-    rows.sort(key=lambda r: r["t"])
-    for r in rows:
-        r["timestamp"] = round(r.pop("t") * 1e3)
-    return rows
+def make_timed_trace(shape: ConversationShape = TIMED_TRACE_SHAPE, seed: int = 0
+                     ) -> list[dict[str, Any]]:
+    """The generated trace in Mooncake's four fields, one ``TRACE_BLOCK`` per hash id."""
+    return [{k: r[k] for k in HASH_BLOCK_KEYS} for r in conversation_lines(shape, seed,
+                                                                            TRACE_BLOCK)]
 
 
 def write_trace(rows: list[dict[str, Any]], path: Path) -> Path:
@@ -882,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the no-cache server and the greedy identity check")
     parser.add_argument("--tie-tolerance", type=float, default=TIE_TOLERANCE,
                         help="top-2 logprob gap (nats) up to which a divergence is a near-tie")
-    parser.add_argument("--trace-sessions", type=int, default=TraceShape.sessions,
+    parser.add_argument("--trace-sessions", type=int, default=TIMED_TRACE_SHAPE.sessions,
                         help="timed_trace: sessions in the generated trace")
     parser.add_argument("--trace-out", default=None,
                         help="timed_trace: also keep the generated trace at this path")
@@ -911,7 +846,8 @@ def main(argv: list[str] | None = None) -> int:
     model = save_tokenizer(build_model(args.model))
     dtype = entry_for_dir(model)["dtype"]
     with tempfile.TemporaryDirectory(prefix="serve-trace-") as tmp:
-        trace = make_timed_trace(replace(TraceShape(), sessions=args.trace_sessions), args.seed)
+        trace = make_timed_trace(replace(TIMED_TRACE_SHAPE, sessions=args.trace_sessions),
+                                 args.seed)
         args.trace_path = write_trace(trace, Path(args.trace_out or Path(tmp) / "trace.jsonl"))
         args.trace_requests = len(trace)
         results = [run_workload(w, model, dtype, args) for w in workloads]

@@ -5,6 +5,7 @@ except in the opt-in smoke test at the end: ``VLLM_HYBRID_SERVE_SMOKE=1``, about
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -127,7 +128,7 @@ def test_trace_is_deterministic_and_mooncake_shaped(bench):
     assert trace != bench.make_timed_trace(seed=4)
     stamps = [r["timestamp"] for r in trace]
     assert stamps == sorted(stamps) and all(isinstance(t, int) for t in stamps)
-    shape = bench.TraceShape()
+    shape = bench.TIMED_TRACE_SHAPE
     for r in trace:
         assert len(r["hash_ids"]) == -(-r["input_length"] // bench.TRACE_BLOCK)
         assert r["input_length"] <= shape.max_input
@@ -145,10 +146,16 @@ def test_trace_is_deterministic_and_mooncake_shaped(bench):
 
 
 def test_trace_shares_system_prompts_turns_and_branches(bench):
-    shape = bench.TraceShape()
-    rows = bench.trace_requests(shape, seed=0)
-    firsts = {tuple(r["hash_ids"][:shape.system_blocks]) for r in rows}
-    assert len(firsts) == shape.system_prompts  # every request opens with a shared system prompt
+    from vllm_hybrid_backends.replay.workloads import conversation_lines
+
+    shape = bench.TIMED_TRACE_SHAPE
+    rows = conversation_lines(shape, 0, bench.TRACE_BLOCK)
+    # the trace bench/serve.py's recorded timed_trace rows ran (its digest, taken before the
+    # generator moved to replay/workloads.py)
+    assert hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest() == \
+        "7754ae676a7688ddfcda9d5c90188ad4145ebc2088ffd02f76ded74a8bb2604f"
+    firsts = {tuple(r["hash_ids"][:shape.system_blocks[0]]) for r in rows}
+    assert len(firsts) == len(shape.system_blocks)  # each request opens with a system prompt
     turns = {(r["session"], r["turn"]): r for r in rows if r["branch_of"] is None}
     branches = [r for r in rows if r["branch_of"] is not None]
     assert branches and len({r["session"] for r in rows}) == shape.sessions
