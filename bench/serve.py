@@ -738,6 +738,10 @@ def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -
             sum(a == b for a, b in zip(p["answers"], u["answers"], strict=True))
             for p, u in zip(runs["plugin"], runs["upstream"], strict=True)],
     }
+    if name == "multiturn":  # what the TTFT fit ran on, per run
+        out["requests_per_run"] = {p: [[{k: t[k] for k in (
+            "conversation", "turn", "ttft_s", "prompt_tokens", "cached_tokens")}
+            for t in r["turns"]] for r in rs] for p, rs in runs.items()}
     if any(identity.values()):
         out["identity_vs_nocache"] = {
             "tolerance": args.tie_tolerance,
