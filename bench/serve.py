@@ -176,7 +176,6 @@ class Server:
                 *self.extra_args]
 
     def start(self) -> None:
-        import httpx
 
         self.port = self.port or free_port()
         env = dict(os.environ, VLLM_PLUGINS=PLUGIN_ENV[self.policy], **self.extra_env)
@@ -185,6 +184,16 @@ class Server:
         self.proc = subprocess.Popen(self.command(), env=env, stdout=fd, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         os.close(fd)
+        try:
+            self._wait_healthy()
+        except BaseException:  # Ctrl-C or a bad start: leave no server behind
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        import httpx
+
+        assert self.proc is not None
         deadline = time.monotonic() + self.health_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -197,7 +206,6 @@ class Server:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        self.stop()
         raise RuntimeError(f"{self.policy} server: no /health within "
                            f"{self.health_timeout_s:.0f} s (--start-timeout)")
 
@@ -854,7 +862,11 @@ def main(argv: list[str] | None = None) -> int:
                                  args.seed)
         args.trace_path = write_trace(trace, Path(args.trace_out or Path(tmp) / "trace.jsonl"))
         args.trace_requests = len(trace)
-        results = [run_workload(w, model, dtype, args) for w in workloads]
+        results = []
+        for w in workloads:
+            results.append(run_workload(w, model, dtype, args))
+            # each finished workload's row survives a later kill (progress is on stderr)
+            progress(f"{w} done:\n{render_table(results[-1:])}")
     out = {"model": args.model, "max_tokens": args.max_tokens, "workloads": results}
     print(render_table(results), file=sys.stderr)
     if args.json:
