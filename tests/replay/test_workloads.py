@@ -276,3 +276,64 @@ def test_production_is_a_hash_block_trace_read_like_a_file(tmp_path):
                 break
         by_units[line["hash_ids"][-1]] = r.prompt_token_ids
     assert extended >= len(lines) // 3
+
+
+def _fingerprint(lines: list[dict]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(lines, sort_keys=True).encode()).hexdigest()
+
+
+def test_production_lines_are_those_recorded_results_were_made_with():
+    """production_lines now runs through conversation_lines: the same lines, bit for bit, as
+    the generator docs/results.md's production rows came from (its digest, taken before)."""
+    from vllm_hybrid_backends.replay.workloads import production_lines
+
+    lines = production_lines(seed=0, sessions=60)
+    assert len(lines) == 306
+    assert _fingerprint(lines) == \
+        "95700d5fc66810e8150f0c20dfc06e7f6dd29d7bc5e8fca9efeba42adf725ce0"
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    pytest.param({"sessions": 0}, "sessions 0, session_rate 0.5: allowed", id="sessions"),
+    pytest.param({"system_blocks": (2, 3)}, r"system_blocks \(2, 3\) with popularity", id="weights"),
+    pytest.param({"branch_prob": 0.3}, "branch_prob 0.3: allowed 0..1, above 0 only with "
+                 "whole_units_only", id="branch-needs-whole-units"),
+])
+def test_conversation_shape_refuses_what_it_cannot_draw(params, message):
+    from vllm_hybrid_backends.replay.workloads import ConversationShape
+
+    with pytest.raises(ValueError, match=message):
+        ConversationShape(**params)
+
+
+def test_conversation_lines_whole_units_carry_only_full_units_and_the_answer():
+    from vllm_hybrid_backends.replay.workloads import ConversationShape, conversation_lines
+
+    unit = 64
+    kept_all = conversation_lines(ConversationShape(sessions=6), seed=2, unit=unit)
+    whole = conversation_lines(ConversationShape(sessions=6, whole_units_only=True), seed=2,
+                               unit=unit)
+    for lines, whole_only in ((kept_all, False), (whole, True)):
+        turns = {(line["session"], line["turn"]): line for line in lines}
+        for (session, turn), line in turns.items():
+            if not turn:
+                continue
+            prev = turns[(session, turn - 1)]
+            shared = 0
+            while line["hash_ids"][shared] == prev["hash_ids"][shared]:
+                shared += 1
+                if shared == min(len(line["hash_ids"]), len(prev["hash_ids"])):
+                    break
+            if whole_only:  # full units only; the answer is in the prompt
+                assert shared == prev["input_length"] // unit
+                assert line["input_length"] > prev["input_length"] + prev["output_length"]
+            else:  # every unit id, the partial last one too
+                assert shared == len(prev["hash_ids"])
+    # the same draws: a whole-units prompt is longer by the session's earlier answers
+    answers: dict[int, int] = {}
+    for a, b in zip(kept_all, whole, strict=True):
+        assert (a["session"], a["turn"]) == (b["session"], b["turn"])
+        assert b["input_length"] == a["input_length"] + answers.get(a["session"], 0)
+        answers[a["session"]] = answers.get(a["session"], 0) + a["output_length"]

@@ -51,10 +51,12 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ConversationShape",
     "Trace",
     "TraceError",
     "TraceRequest",
     "WORKLOADS",
+    "conversation_lines",
     "load_trace",
     "make_workload",
     "write_trace",
@@ -275,15 +277,61 @@ def rag(block_size: int, seed: int = 0, num_prompts: int = 240, corpus: int = 12
                   "rate": rate})
 
 
-def production_lines(seed: int = 0, sessions: int = 60, unit: int = DEFAULT_HASH_BLOCK_SIZE,
-                     rate: float = 0.5) -> list[dict[str, Any]]:
-    """Hash-block trace lines (Mooncake FAST'25 format) of a conversation service.
+@dataclass(frozen=True)
+class ConversationShape:
+    """How :func:`conversation_lines` draws a conversation service's hash-block trace.
 
-    A few system prompts of uneven popularity and length (not whole units), sessions of 1-10
-    turns whose next prompt repeats the previous one's units and adds new ones (the answer is
-    not a unit of the next prompt, as in the public traces), think times of seconds, Poisson
-    session starts, outputs 20-400 tokens.
+    Sessions start ``session_rate`` per second (Poisson); each opens with one of the system
+    prompts (``system_blocks`` units each, drawn by ``system_popularity``; with
+    ``ragged_system`` each ends 1 to ``unit - 1`` tokens short of its last unit) and runs
+    ``turns`` turns ``think_s`` apart, each adding ``user_tokens`` to the previous prompt and
+    asking ``output_tokens``.  The two choices that tell the generators apart:
+
+    - ``whole_units_only``: a next prompt keeps only the previous prompt's *full* units and the
+      answer counts in its length (Mooncake's public traces: a unit is shared only when all of
+      it is, and the answer is prompt text of the next turn).  Off: it keeps every unit id of
+      the previous prompt, the last partial one too, and the answer is not in it;
+    - ``branch_prob``: after a turn past the first, the chance of a branch: a request that
+      leaves the session after an earlier turn (an edited or regenerated message), keeping that
+      turn's full units only (needs ``whole_units_only``).
     """
+
+    sessions: int = 60
+    session_rate: float = 0.5
+    system_blocks: tuple[int, ...] = (2, 3, 5, 8)
+    system_popularity: tuple[float, ...] = (0.45, 0.3, 0.15, 0.1)
+    ragged_system: bool = True
+    turns: tuple[int, int] = (1, 10)
+    user_tokens: tuple[int, int] = (50, 1500)
+    output_tokens: tuple[int, int] = (20, 400)
+    think_s: tuple[float, float] = (2.0, 30.0)
+    whole_units_only: bool = False
+    branch_prob: float = 0.0
+    #: a turn whose prompt would be longer ends its session (``None``: no limit)
+    max_input: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.sessions < 1 or self.session_rate <= 0:
+            raise ValueError(f"sessions {self.sessions}, session_rate {self.session_rate}: "
+                             "allowed sessions >= 1 and a rate > 0")
+        if len(self.system_blocks) != len(self.system_popularity) or not self.system_blocks \
+                or min(self.system_blocks) < 1:
+            raise ValueError(f"system_blocks {self.system_blocks} with popularity "
+                             f"{self.system_popularity}: allowed one weight per system prompt "
+                             "of >= 1 unit")
+        if not 0.0 <= self.branch_prob <= 1.0 or (self.branch_prob and not
+                                                   self.whole_units_only):
+            raise ValueError(f"branch_prob {self.branch_prob}: allowed 0..1, above 0 only "
+                             "with whole_units_only")
+
+
+def conversation_lines(shape: ConversationShape = ConversationShape(), seed: int = 0,
+                       unit: int = DEFAULT_HASH_BLOCK_SIZE) -> list[dict[str, Any]]:
+    """A conversation service's trace lines in the hash-block (Mooncake FAST'25) format, sorted
+    by ``timestamp`` (ms); deterministic in ``seed``.  Besides ``timestamp``, ``input_length``,
+    ``output_length`` and ``hash_ids`` (one id per ``unit`` tokens), each line says where it
+    comes from: ``session``, ``turn`` and, for a branch, ``branch_of`` (the turn it leaves
+    after; else ``None``).  :data:`HASH_BLOCK_KEYS` selects the format's own keys."""
     rng = random.Random(seed)
     next_id = 0
 
@@ -293,24 +341,63 @@ def production_lines(seed: int = 0, sessions: int = 60, unit: int = DEFAULT_HASH
         next_id += n
         return ids
 
-    systems = [(fresh(k), k * unit - rng.randint(1, unit - 1)) for k in (2, 3, 5, 8)]
-    popularity = [0.45, 0.3, 0.15, 0.1]
+    def units(tokens: int) -> int:
+        return -(-tokens // unit)
+
+    systems = [(fresh(k), k * unit - (rng.randint(1, unit - 1) if shape.ragged_system else 0))
+               for k in shape.system_blocks]
     lines: list[dict[str, Any]] = []
     start = 0.0
-    for _ in range(sessions):
-        start += rng.expovariate(rate)
-        system_ids, system_len = rng.choices(systems, popularity)[0]
-        ids, length, now = list(system_ids), system_len, start
-        for _ in range(rng.randint(1, 10)):
-            length += rng.randint(50, 1500)
-            need = -(-length // unit)
-            if need > len(ids):
-                ids += fresh(need - len(ids))
-            lines.append({"timestamp": round(now * 1000), "input_length": length,
-                          "output_length": rng.randint(20, 400), "hash_ids": list(ids)})
-            now += rng.uniform(2.0, 30.0)
-    lines.sort(key=lambda line: line["timestamp"])
+    for session in range(shape.sessions):
+        start += rng.expovariate(shape.session_rate)
+        system_ids, length = rng.choices(systems, shape.system_popularity)[0]
+        ids, t = list(system_ids), start
+        history: list[tuple[list[int], int]] = []  # (full unit ids, tokens) of each prompt
+        for turn in range(rng.randint(*shape.turns)):
+            if not shape.whole_units_only:
+                keep = len(ids)
+            else:  # the block the answer completes holds tokens no earlier prompt had
+                keep = (length if turn == 0 else history[-1][1]) // unit
+            length += rng.randint(*shape.user_tokens)
+            if shape.max_input is not None and length > shape.max_input:
+                break
+            ids = ids[:keep] + fresh(max(0, units(length) - keep))
+            out = rng.randint(*shape.output_tokens)
+            lines.append({"t": t, "input_length": length, "output_length": out,
+                          "hash_ids": list(ids), "session": session, "turn": turn,
+                          "branch_of": None})
+            history.append((ids[:length // unit], length))
+            if shape.branch_prob and turn and rng.random() < shape.branch_prob:
+                parent = rng.randrange(turn)
+                kept, kept_len = history[parent]
+                fork_len = kept_len + rng.randint(*shape.user_tokens)
+                if shape.max_input is not None:
+                    fork_len = min(fork_len, shape.max_input)
+                lines.append({"t": t + rng.uniform(*shape.think_s) / 2, "input_length": fork_len,
+                              "output_length": rng.randint(*shape.output_tokens),
+                              "hash_ids": kept + fresh(units(fork_len) - len(kept)),
+                              "session": session, "turn": turn, "branch_of": parent})
+            if shape.whole_units_only:
+                length += out
+            t += rng.uniform(*shape.think_s)
+    for line in lines:
+        line["timestamp"] = round(line.pop("t") * 1000)
+    lines.sort(key=lambda line: line["timestamp"])  # stable: a tie keeps generation order
     return lines
+
+
+def production_lines(seed: int = 0, sessions: int = 60, unit: int = DEFAULT_HASH_BLOCK_SIZE,
+                     rate: float = 0.5) -> list[dict[str, Any]]:
+    """Hash-block trace lines (Mooncake FAST'25 format) of a conversation service
+    (:func:`conversation_lines` with :class:`ConversationShape`'s defaults).
+
+    A few system prompts of uneven popularity and length (not whole units), sessions of 1-10
+    turns whose next prompt repeats the previous one's units and adds new ones (the answer is
+    not a unit of the next prompt, as in the public traces), think times of seconds, Poisson
+    session starts, outputs 20-400 tokens.
+    """
+    shape = ConversationShape(sessions=sessions, session_rate=rate)
+    return [{k: line[k] for k in HASH_BLOCK_KEYS} for line in conversation_lines(shape, seed, unit)]
 
 
 def production(block_size: int, seed: int = 0, sessions: int = 60,
