@@ -308,7 +308,8 @@ def chunk_end(
 
     ``split_block_size`` is the block vLLM aligned the chunk on; ``state_block_size`` the block
     on which every group can hold a state (the scheduler's LCM block; equal in the common case).
-    Stops at the first tail checkpoint strictly inside the chunk and, when the state block is
+    A chunk that starts mid-block stops at the next state boundary. Otherwise it
+    stops at the first tail checkpoint strictly inside the chunk and, when the state block is
     coarser, floors a non-final end to the state grid (unless that leaves nothing to schedule:
     a chunk too short to reach the next boundary keeps its end, its state private).
     ``admitted`` (a kind -> bool), when given, leaves out the tail checkpoints it rejects.
@@ -317,6 +318,11 @@ def chunk_end(
     """
     if start >= prefill_end:
         return end
+    next_boundary = start - start % state_block_size + state_block_size
+    if policy.mamba_grid and start % state_block_size and next_boundary < end:
+        # A chunk starting mid-block (after a sub-block hit or externally loaded tokens) ends
+        # at the next boundary, so the block cached for it holds the state after it.
+        return next_boundary
     checkpoints = {} if interior_states else tail_checkpoints_by_kind(
         num_prompt_tokens, state_block_size, policy.tail_checkpoints)
     stops = sorted(c for kind, c in checkpoints.items()

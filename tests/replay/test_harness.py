@@ -396,10 +396,6 @@ MID_BLOCK_BUG = (
     "tokens with block 8, unit 4) is not stopped at the block boundary because the checkpoint "
     "is exportable, so the block holding the state at the chunk start is cached as the "
     "block-boundary state")
-MID_BLOCK_PLUGIN_GAP = (
-    "not fixed by the plugin yet: its grid stop covers a chunk that starts after a sub-block "
-    "hit (that twin passes), not one whose start is set by externally loaded tokens; the block "
-    "holding the loaded 76-token state is still cached as the 80-token boundary")
 _EXTERNAL = ("pd_mamba2_checkpoint_mid_block.jsonl", {"r2": 76},
              dict(cache_tokens=272, max_num_batched_tokens=24))
 _SUB_BLOCK = ("mamba2_checkpoint_partial_hit.jsonl", {},
@@ -407,9 +403,7 @@ _SUB_BLOCK = ("mamba2_checkpoint_partial_hit.jsonl", {},
 MID_BLOCK_CASES = [
     pytest.param(*_EXTERNAL, "upstream", id="external-load-upstream",
                  marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=MID_BLOCK_BUG)),
-    pytest.param(*_EXTERNAL, "plugin", id="external-load-plugin",
-                 marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                         reason=MID_BLOCK_PLUGIN_GAP)),
+    pytest.param(*_EXTERNAL, "plugin", id="external-load-plugin"),
     pytest.param(*_SUB_BLOCK, "upstream", id="sub-block-hit-upstream",
                  marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=MID_BLOCK_BUG)),
     pytest.param(*_SUB_BLOCK, "plugin", id="sub-block-hit-plugin"),
@@ -587,8 +581,7 @@ def test_interior_blocks_never_keep_a_request_from_being_scheduled(cache_tokens)
 ])
 def test_decode_states_on_by_default_for_every_kind(monkeypatch, kind, setting,
                                                     resumes_past_answer):
-    # docs/decode_states.md decides: on for Mamba2 too (off, it meets vLLM's mid-block bug,
-    # test_mamba2_sub_block_hit_without_decode_states). "b" is a's prompt + answer + a new
+    # docs/decode_states.md decides: on for Mamba2 too. "b" is a's prompt + answer + a new
     # message: past the answer only from a decode state (block 8: the prompt's last boundary
     # is 32, decoding crosses 40 and 48)
     from vllm_hybrid_backends import align
@@ -608,10 +601,6 @@ def test_decode_states_on_by_default_for_every_kind(monkeypatch, kind, setting,
 
 
 @needs_mamba2_checkpoint
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "with VLLM_HYBRID_DECODE_CHECKPOINTS=0 the next turn resumes from a sub-block hit and meets "
-    "vLLM 0.32's mid-block bug (MID_BLOCK_BUG) that the plugin's grid stop does not cover "
-    "here: r6's block 5 is cached holding the state after 4 tokens as the 8-token boundary"))
 def test_mamba2_sub_block_hit_without_decode_states(monkeypatch):
     from vllm_hybrid_backends import align
 
