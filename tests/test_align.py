@@ -166,6 +166,9 @@ def test_scheduler_patch_reverts_to_vllms_method():
 def test_coordinator_patch_adds_boundaries_only_while_caching_a_request():
     module = coordinator_patch._module()
     request = types.SimpleNamespace(num_tokens=1537, num_prompt_tokens=1500, request_id="r")
+    if coordinator_patch._boundary_form(module) == coordinator_patch.DENSE_RETENTION:
+        _dense_retention_keeps_every_state_with_and_without_the_patch(request)
+        return
     if hasattr(module, "replay_boundaries"):  # vLLM 0.32+: a module function
         original = module.replay_boundaries
 
@@ -215,6 +218,29 @@ def test_coordinator_patch_adds_boundaries_only_while_caching_a_request():
         assert vars(coordinator_patch._mamba_manager_class())["reachable_block_mask"] is original
 
 
+def _dense_retention_keeps_every_state_with_and_without_the_patch(request):
+    """vLLM 0.23: the Mamba manager inherits the base mask (None: cache every full block), so
+    there are no boundaries to add and the patch must leave the mask alone, caching or not."""
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    mamba = coordinator_patch._mamba_manager_class()
+    spec = MambaSpec(block_size=128, shapes=((1, 1),), dtypes=(torch.float32,),
+                     mamba_cache_mode="align")
+    assert mamba.reachable_block_mask(0, 13, 128, spec, False, 0) is None
+    before = dict(vars(mamba))
+    coordinator_patch.apply()
+    try:
+        token = coordinator_patch._caching_for.set((request, align.AlignPolicy(), {}))
+        try:
+            assert mamba.reachable_block_mask(0, 13, 128, spec, False, 0) is None
+        finally:
+            coordinator_patch._caching_for.reset(token)
+        assert dict(vars(mamba)) == before
+    finally:
+        coordinator_patch.revert()
+
+
 def test_suffix_eviction_order_forgets_the_prefix_from_its_end_across_groups():
     attention = (16, ["a0", "a1", "a2", "a3"])  # ends 16, 32, 48, 64
     mamba = (32, ["m0", "m1"])  # ends 32, 64
@@ -231,6 +257,7 @@ def test_coordinator_free_hands_the_pool_one_suffix_ordered_list(monkeypatch):
                 types.SimpleNamespace(block_size=32, pop_blocks_for_free=lambda rid: [m0])]
     coordinator = types.SimpleNamespace(single_type_managers=managers,
                                         block_pool=types.SimpleNamespace(free_blocks=freed.append))
+    monkeypatch.setattr(coordinator_patch, "_POPS_BLOCKS", True)  # managers that pop (0.26+)
     coordinator_patch.free(coordinator, "req-1")
     assert [[b.name for b in blocks] for blocks in freed] == [["a1", "m0", "a0"]]
     monkeypatch.setenv(align.SUFFIX_EVICTION_ENV, "0")
@@ -348,7 +375,10 @@ def _block(block_id, hashed):
 
     block = KVCacheBlock(block_id=block_id)
     if hashed:
-        block.set_block_hash(f"h{block_id}".encode(), num_tokens=16)
+        if hasattr(block, "set_block_hash"):
+            block.set_block_hash(f"h{block_id}".encode(), num_tokens=16)
+        else:  # vLLM 0.23: a plain property, no token count
+            block.block_hash = f"h{block_id}".encode()
     return block
 
 

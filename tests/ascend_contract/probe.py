@@ -24,10 +24,16 @@ import vllm_ascend.patch.worker.patch_mamba_utils  # noqa: E402,F401
 import vllm_ascend.worker.worker as ascend_worker  # noqa: E402
 
 from vllm_hybrid_backends.patches import patch_vllm_ascend_worker_worker as plugin_worker  # noqa: E402
+from vllm_hybrid_backends.patches import (  # noqa: E402
+    patch_vllm_v1_core_kv_cache_coordinator as plugin_coordinator,
+)
 
 ascend_coord = ascend_coordinator.AscendHybridKVCacheCoordinator
 plugin_worker_before = vars(ascend_worker.NPUWorker)["__init__"]
 plugin_worker.apply()
+ascend_search = vars(ascend_coord)["find_longest_cache_hit"]
+hit_searches_wrapped = plugin_coordinator.wrap_subclass_hit_searches()
+ascend_search_key = f"{ascend_coord.__module__}.{ascend_coord.__qualname__}.find_longest_cache_hit"
 print(json.dumps({
     "vllm_ascend_file": vllm_ascend.__file__,
     "mamba_utils_reassigned": sorted(n for n, v in before.items()
@@ -43,5 +49,9 @@ print(json.dumps({
         "cache_blocks" in vars(coordinator.HybridKVCacheCoordinator),
     "npu_worker_wrapped": vars(ascend_worker.NPUWorker)["__init__"] is not plugin_worker_before
         and getattr(vars(ascend_worker.NPUWorker)["__init__"], plugin_worker._MARK, False),
+    "hit_searches_wrapped": hit_searches_wrapped,
+    "ascend_hit_search_wrapper_keeps_theirs":
+        getattr(vars(ascend_coord)["find_longest_cache_hit"], "_hybrid_backends_wrapper", False)
+        and plugin_coordinator._ORIGINALS.get(ascend_search_key) is ascend_search,
     "standins_served": sorted({s.split(".")[0] for s in npu_standin.SERVED}),
 }), file=sys.stdout)

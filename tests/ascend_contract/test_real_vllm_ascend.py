@@ -69,3 +69,11 @@ def test_ascend_coordinator_overrides_only_find_longest_cache_hit(probed):
     # cache_blocks is overridden by vLLM's own HybridKVCacheCoordinator on these versions: a
     # wrapper on the base KVCacheCoordinator would be bypassed
     assert probed["vllm_hybrid_coordinator_overrides_cache_blocks"] is True
+
+
+def test_the_plugin_wraps_the_ascend_coordinators_own_hit_search_and_delegates_to_it(probed):
+    # AscendHybridKVCacheCoordinator overrides find_longest_cache_hit: a wrapper on vLLM's
+    # HybridKVCacheCoordinator alone would never see its hits (wrap_subclass_hit_searches)
+    assert probed["hit_searches_wrapped"] == [
+        "vllm_ascend.patch.platform.patch_kv_cache_coordinator.AscendHybridKVCacheCoordinator"]
+    assert probed["ascend_hit_search_wrapper_keeps_theirs"] is True

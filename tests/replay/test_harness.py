@@ -33,6 +33,9 @@ spec_decode_not_on_026 = pytest.mark.skipif(version_allows("<0.30"), reason=(
 coarser_mamba_not_on_026 = pytest.mark.skipif(version_allows("<0.30"), reason=(
     "vLLM 0.26's HybridKVCacheCoordinator asserts every group's block size is divisible by the "
     "hash block size: a Mamba block coarser than the attention block cannot be configured"))
+no_interior_blocks_on_023 = pytest.mark.skipif(version_allows("<0.26"), reason=(
+    "vLLM 0.23's get_num_blocks_to_allocate has no num_local_computed_tokens: the plugin plans "
+    "no interior state blocks there and splits the chunk at tail checkpoints instead"))
 CONFIG = ReplayConfig()  # qwen3.5-0.8b, 544-token blocks
 SMALL = {
     "agentic": {"sessions": 3, "turns": 4},
@@ -500,6 +503,7 @@ def _edited_resend_trace() -> Trace:
                             TraceRequest("b", edited, [5] * 2, arrival_s=5.0)])
 
 
+@no_interior_blocks_on_023
 def test_tail_checkpoints_stored_inside_the_chunk_need_no_split(monkeypatch):
     from vllm_hybrid_backends import align
 
@@ -547,6 +551,7 @@ def test_mamba2_tail_states_inside_the_chunk_beside_vllms_checkpoint(monkeypatch
     assert inside.blocks_leaked == 0
 
 
+@no_interior_blocks_on_023
 def test_interior_blocks_the_model_does_not_fill_are_reported_as_mismatches(monkeypatch):
     from vllm_hybrid_backends.replay.oracle import FakeHybridWorker
 

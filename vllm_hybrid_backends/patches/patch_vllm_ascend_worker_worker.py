@@ -40,7 +40,7 @@ from ..trace import trace_event
 TARGET_MODULE = "vllm_ascend.worker.worker"
 TARGET_SYMBOLS = ("NPUWorker.__init__",)
 PROCESS = "worker"
-VLLM_VERSIONS = ">=0.26.0,<0.34.0"
+VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 OPTIONAL = True
 
 _MARK = "_hybrid_backends_reapplies_patches"

@@ -39,6 +39,7 @@ Speculative decoding:
 - Upstream: fixed in vLLM 0.33.0, whose ``_spec_forward`` rolls the buffer the same way and keeps
   the native kernel for full-length steps only.
 - vLLM versions: 0.32.x only; on 0.33.x ``apply()`` leaves vLLM's function in place.
+- vLLM 0.23: not needed (:func:`not_needed`): its CPU GDN is one custom op without either target.
 - Removal: with 0.32 support (the spec-decode fix); the interior states when vLLM-CPU's kernel
   exports chunk states and vLLM plans several checkpoints per row.
 """
@@ -51,7 +52,7 @@ from typing import Any
 TARGET_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 TARGET_SYMBOLS = ("_spec_forward", "_cpu_gdn_attention_nonspec")
 PROCESS = "worker"
-VLLM_VERSIONS = ">=0.26.0,<0.34.0"
+VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
 FIXED_IN = "0.33.0"
 
@@ -62,6 +63,21 @@ _NEEDED = ("_spec_forward", "_cpu_gdn_attention_nonspec", "_unpacked_conv_weight
 
 def _module() -> Any:
     return importlib.import_module(TARGET_MODULE)
+
+
+def not_needed() -> str | None:
+    """vLLM-CPU 0.23's GDN forward is one custom op (``cpu_gdn_attention_core``) with neither
+    Python function to wrap, and it refuses speculative decoding: no interior states to store
+    (the scheduler splits chunks for tail states instead) and no conv roll to fix."""
+    try:
+        module = _module()
+    except Exception:
+        return None  # missing() names the import problem
+    if any(hasattr(module, name) for name in TARGET_SYMBOLS):
+        return None
+    return ("this vLLM-CPU's GDN forward is one custom op (cpu_gdn_attention_core; no "
+            "_cpu_gdn_attention_nonspec / _spec_forward, no speculative decoding): tail states "
+            "come from chunk splits, and there is no spec-decode conv roll to fix")
 
 
 def missing() -> list[str]:

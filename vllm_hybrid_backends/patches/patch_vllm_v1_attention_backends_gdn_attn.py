@@ -27,7 +27,7 @@ from .. import align
 TARGET_MODULE = "vllm.v1.attention.backends.gdn_attn"
 TARGET_SYMBOLS = ("GDNAttentionMetadataBuilder.build",)
 PROCESS = "worker"
-VLLM_VERSIONS = ">=0.26.0,<0.34.0"
+VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
 #: Attribute of a ``GDNAttentionMetadata`` holding ``{row: [(offset, block id), ...]}``.
 INTERIOR_ATTR = "hybrid_interior_checkpoints"

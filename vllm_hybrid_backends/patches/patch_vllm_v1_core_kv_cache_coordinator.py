@@ -59,12 +59,16 @@ finished request's cached prefix from its end, all groups together.
   instance) the kept states evicted.
 - Upstream: vLLM #50551 (decode-end states for conversation reuse, open); retention semantics in
   ``vllm_map.md`` §4(d) (interior states: option A there).
-- vLLM versions: 0.26.x, 0.30.x-0.33.x. 0.30/0.31: the replay boundaries are a coordinator
+- vLLM versions: 0.23.x, 0.26.x, 0.30.x-0.33.x. 0.30/0.31: the replay boundaries are a coordinator
   method, ``HybridKVCacheCoordinator`` overrides ``cache_blocks``, ``get_num_blocks_to_allocate``
   has no ``prefill_end`` (passed only where the original takes it). 0.26: as 0.30, and the kept
   boundaries are the ``reachable_boundaries`` of ``MambaManager.reachable_block_mask`` (read
   only under sparse retention, ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``; the default is
   dense); Mamba managers are found by their ``MambaSpec`` (no ``has_prefill_checkpoint_blocks``).
+  0.23: Mamba retention is dense (nothing to add: every block-boundary state is kept), no
+  ``pop_blocks_for_free`` (``free`` keeps vLLM's order), ``get_num_blocks_to_allocate`` without
+  ``num_local_computed_tokens`` (delegated; no interior blocks, so the scheduler splits for
+  tail states) and a block pool caching each block under its own hash only (:func:`cached_hashes`).
 - Removal: when vLLM keeps caller-chosen boundaries itself.
 """
 
@@ -92,7 +96,7 @@ TARGET_SYMBOLS = ("replay_boundaries", "KVCacheCoordinator.get_replay_boundaries
                   "HybridKVCacheCoordinator.find_longest_cache_hit")
 _WRAPPED = ("free", "remove_skipped_blocks", "get_num_blocks_to_allocate", "allocate_new_blocks")
 PROCESS = "engine"
-VLLM_VERSIONS = ">=0.26.0,<0.34.0"
+VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
 #: vLLM 0.32+ passes ``prefill_end`` to ``get_num_blocks_to_allocate``; 0.30/0.31 do not.
@@ -487,17 +491,25 @@ def _count_kept_states(coordinator: Any, manager: Any, request: Any, policy: ali
             stats.record_kept(kinds.get((index + 1) * size, "vllm"), block)
 
 
+def cached_hashes(pool: Any, block: Any) -> list[Any]:
+    """Every key ``block`` is cached under: its own hash and, where the pool keeps them
+    (``BlockPool.cached_block_hashes_by_block``, 0.26+), the hashes of coarser groups that share
+    it; vLLM 0.23 caches a block under its own hash only."""
+    extra = getattr(pool, "cached_block_hashes_by_block", None)
+    keys = [block.block_hash, *(extra.get(block.block_id, ()) if extra is not None else ())]
+    return [key for key in keys if key is not None]
+
+
 def _count_evictions(pool: Any, mamba_groups: set[int]) -> None:
     from vllm.v1.core.kv_cache_utils import get_group_id
 
     original = pool._maybe_evict_cached_block
 
     def maybe_evict_cached_block(block: Any) -> bool:
-        keys = [block.block_hash, *pool.cached_block_hashes_by_block.get(block.block_id, ())]
+        keys = cached_hashes(pool, block)
         evicted = original(block)
         if evicted:
-            stats.record_evicted(block.block_id, [
-                k for k in keys if k is not None and get_group_id(k) in mamba_groups])
+            stats.record_evicted(block.block_id, [k for k in keys if get_group_id(k) in mamba_groups])
         return bool(evicted)
 
     pool._maybe_evict_cached_block = maybe_evict_cached_block
@@ -859,6 +871,8 @@ def apply() -> None:
 
 
 def revert() -> None:
+    global _TAKES_PREFILL_END, _POPS_BLOCKS
+    _TAKES_PREFILL_END = _POPS_BLOCKS = True  # back to the import-time defaults
     module = _module()
     if "HybridKVCacheCoordinator.find_longest_cache_hit" in _ORIGINALS:
         module.HybridKVCacheCoordinator.find_longest_cache_hit = _ORIGINALS.pop(

@@ -24,7 +24,7 @@ from ..compat import signature_problem
 TARGET_MODULE = "vllm.v1.core.kv_cache_manager"
 TARGET_SYMBOLS = ("KVCacheManager.allocate_slots",)
 PROCESS = "engine"
-VLLM_VERSIONS = ">=0.26.0,<0.34.0"
+VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
 class Allocation:

@@ -21,7 +21,9 @@
   (field added by ``patch_vllm_v1_metrics_stats``); not wrapped otherwise.
 - Upstream: vLLM #54076 (chunk ends off the Mamba grid, open); the agentic miss is §4(a) of
   ``vllm_map.md``; junction checkpoints #37898 only help the third request.
-- vLLM versions: 0.30.x-0.33.x (the method's signature is checked when it binds).
+- vLLM versions: 0.23.x, 0.26.x, 0.30.x-0.33.x (the method's signature is checked when it
+  binds). A chunk runs past a tail checkpoint only where the coordinator patch plans an
+  interior block for it (never on 0.23).
 - Removal: when vLLM retains intermediate boundaries itself and splits on the Mamba block.
 """
 
@@ -37,7 +39,7 @@ from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
 TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split", "Scheduler.make_stats")
 PROCESS = "engine"
-VLLM_VERSIONS = ">=0.26.0,<0.34.0"
+VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
 
@@ -86,12 +88,15 @@ def _mamba_block_aligned_split(self: Any, request: Any, num_new_tokens: int,
 
 
 def _stores_interior(scheduler: Any) -> bool:
-    """Whether every Mamba group's forward stores tail checkpoints inside a chunk."""
+    """Whether every Mamba group's forward stores tail checkpoints inside a chunk and the
+    KV-cache manager plans blocks for them: the same groups the coordinator patch plans for
+    (none on vLLM 0.23, whose allocation count cannot tell a partial local hit)."""
     known = scheduler.__dict__.get("_hybrid_stores_interior")
     if known is None:
-        managers = coordinator_patch._mamba_managers(scheduler.kv_cache_manager.coordinator)
-        known = bool(managers) and all(
-            coordinator_patch.stores_interior(m.kv_cache_spec) for m in managers)
+        coordinator = scheduler.kv_cache_manager.coordinator
+        managers = coordinator_patch._mamba_managers(coordinator)
+        known = bool(managers) and len(coordinator_patch._interior_managers(coordinator)) == len(
+            managers)
         scheduler._hybrid_stores_interior = known
     return known
 

@@ -31,7 +31,7 @@ from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
 TARGET_MODULE = "vllm.v1.engine.core"
 TARGET_SYMBOLS = ("EngineCore._initialize_kv_caches",)
 PROCESS = "engine"
-VLLM_VERSIONS = ">=0.26.0,<0.34.0"
+VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
 

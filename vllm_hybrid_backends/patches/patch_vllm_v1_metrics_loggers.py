@@ -29,7 +29,7 @@ TARGET_MODULE = "vllm.v1.metrics.loggers"
 TARGET_SYMBOLS = ("PrometheusStatLogger.__init__", "PrometheusStatLogger.record",
                   "LoggingStatLogger.record", "LoggingStatLogger.log")
 PROCESS = "engine"
-VLLM_VERSIONS = ">=0.26.0,<0.34.0"
+VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
 
 def not_needed() -> str | None:

@@ -24,7 +24,7 @@ from .. import stats
 TARGET_MODULE = "vllm.v1.metrics.stats"
 TARGET_SYMBOLS = ("SchedulerStats",)
 PROCESS = "engine"
-VLLM_VERSIONS = ">=0.26.0,<0.34.0"
+VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
 
 def not_needed() -> str | None:

@@ -37,7 +37,8 @@
   ``aligned_index_block_tables``: both handled where the rows are chosen). 0.26: the scalar
   path only (one tuple of copy functions for every layer); its ``MambaSpecDecodeGPUContext`` is
   an earlier design the replacements do not fit, so its fused kernels stay vLLM's
-  (:func:`limitation`, shown by doctor).
+  (:func:`limitation`, shown by doctor). 0.23: as 0.26; ``is_conv_state_dim_first`` is found in
+  ``vllm.model_executor.layers.mamba.mamba_utils`` (:func:`_conv_layout_function`).
 - Removal: when vLLM exposes a block-level state-copy seam and CPU versions of the fused kernels.
 """
 
@@ -58,7 +59,7 @@ CONTEXT_METHODS = ("initialize_from_forward_context", "run_fused_precopy", "run_
 TARGET_SYMBOLS = ("collect_mamba_copy_meta", "do_mamba_copy_block",
                   *(f"{CONTEXT_CLASS}.{name}" for name in CONTEXT_METHODS))
 PROCESS = "worker"
-VLLM_VERSIONS = ">=0.26.0,<0.34.0"
+VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
 #: vLLM 0.30/0.31's V2 block tables are in batch order under an idx_mapping (0.32: request slots)
@@ -90,11 +91,29 @@ def missing() -> list[str]:
     except Exception as exc:
         return [f"import {TARGET_MODULE}: {exc}"]
     needed = ("collect_mamba_copy_meta", "do_mamba_copy_block", "get_conv_copy_spec",
-              "get_temporal_copy_spec", "is_conv_state_dim_first")
+              "get_temporal_copy_spec")
     problems = [f"{TARGET_MODULE}.{name}" for name in needed if not hasattr(module, name)]
+    if _conv_layout_function(module) is None:
+        problems.append(f"is_conv_state_dim_first (in {TARGET_MODULE} or {LAYOUT_MODULE})")
     if not problems and not SCALAR_PATH_ONLY:
         problems = _context_problems(module)
     return problems
+
+
+#: Where vLLM 0.23 defines the conv-state layout check (0.26+ also re-export it from the target).
+LAYOUT_MODULE = "vllm.model_executor.layers.mamba.mamba_utils"
+
+
+def _conv_layout_function(module: Any) -> Any:
+    """vLLM's ``is_conv_state_dim_first``: imported into the target module (0.26+) or only in
+    the layers' ``mamba_utils`` (0.23); None if neither has it."""
+    found = getattr(module, "is_conv_state_dim_first", None)
+    if found is None:
+        try:
+            found = getattr(importlib.import_module(LAYOUT_MODULE), "is_conv_state_dim_first", None)
+        except Exception:
+            return None
+    return found if callable(found) else None
 
 
 def _context_problems(module: Any) -> list[str]:
@@ -114,7 +133,7 @@ def _context_problems(module: Any) -> list[str]:
     return problems
 
 
-#: vLLM 0.26 (and older) give every Mamba layer one tuple of copy functions and their
+#: vLLM 0.23 and 0.26 give every Mamba layer one tuple of copy functions and their
 #: ``MambaSpecDecodeGPUContext`` is an earlier design (no ``compute_aligned_state_indices``,
 #: no ``aligned_state_indices``, no ``_get_mamba_spec_for_layer``); there only the V1 scalar
 #: copy path is routed, and the fused spec-decode kernels stay vLLM's.
@@ -152,7 +171,7 @@ def _states_for(kv_cache_config: Any, copy_funcs: Any, group_ids: list[int],
            forward_context[first_layer].kv_cache[0].data_ptr())
     if key in _state_cache:
         return _state_cache[key]
-    conv_kind = StateKind.CONV_DS if module.is_conv_state_dim_first() else StateKind.CONV_SD
+    conv_kind = StateKind.CONV_DS if _conv_layout_function(module)() else StateKind.CONV_SD
     kinds = {module.get_conv_copy_spec: conv_kind, module.get_temporal_copy_spec: StateKind.TEMPORAL}
     states: list[MambaStateTensor] = []
     known = True

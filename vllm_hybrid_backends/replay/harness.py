@@ -239,10 +239,10 @@ class _Instruments:
         self.evictions_mamba = 0
         original = self.pool._maybe_evict_cached_block
 
+        from ..patches.patch_vllm_v1_core_kv_cache_coordinator import cached_hashes
+
         def evict(block: Any) -> bool:
-            keys = set(self.pool.cached_block_hashes_by_block.get(block.block_id, ()))
-            if block.block_hash is not None:
-                keys.add(block.block_hash)
+            keys = set(cached_hashes(self.pool, block))
             evicted = original(block)
             if evicted:
                 from vllm.v1.core.kv_cache_utils import get_group_id
