@@ -43,7 +43,7 @@ finished request's cached prefix from its end, all groups together.
   checkpoint strictly inside the chunk (:func:`vllm_hybrid_backends.align.interior_tail_checkpoints`)
   to vLLM's count and remembers the columns; ``allocate_new_blocks`` puts a fresh block where
   vLLM padded those columns with the null block. The worker finds them in its block table
-  (:func:`vllm_hybrid_backends.align.interior_checkpoints`) and stores the states through
+  (:func:`vllm_hybrid_backends.interior.checkpoints`) and stores the states through
   ``hb_store_checkpoints``; ``cache_blocks`` hashes them like any kept boundary, and
   ``remove_skipped_blocks`` hands them back to the pool after the step, still cached. The
   request comes from ``patch_vllm_v1_core_kv_cache_manager``, which allocates again without the
@@ -76,7 +76,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import align, handshake, stats
+from .. import align, handshake, interior, stats
 from ..compat import signature_problem, version_allows
 from ..trace import trace_event
 from . import patch_vllm_v1_core_kv_cache_manager as manager_patch
@@ -673,8 +673,8 @@ def _interior_columns(ledger: align.RetentionLedger, manager: Any, request: Any,
         request_id = request.request_id
         admitted = lambda kind: ledger.admits(kind, request_id)  # noqa: E731
     size = manager.block_size
-    return [p // size - 1 for p in align.interior_tail_checkpoints(
-        start, end, request.num_prompt_tokens, size, policy, admitted)]
+    return interior.planned_columns(align.interior_tail_checkpoints(
+        start, end, request.num_prompt_tokens, size, policy, admitted), size)
 
 
 def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
@@ -745,11 +745,8 @@ def allocate_new_blocks(self: Any, request_id: str, num_tokens: int, num_tokens_
     returned = list(returned)
     for manager, plan, before in planned:
         blocks = manager.req_to_blocks[request_id]
-        columns = [c for c in plan if before <= c < len(blocks) and blocks[c].is_null]
-        if not columns:
+        if not interior.place_blocks(blocks, plan, before, manager.block_pool.get_new_blocks):
             continue
-        for column, block in zip(columns, manager.block_pool.get_new_blocks(len(columns))):
-            blocks[column] = block
         # vLLM returns the blocks appended to the request (after a copy-on-write block, if any)
         group = self.single_type_managers.index(manager)
         appended = len(blocks) - before
