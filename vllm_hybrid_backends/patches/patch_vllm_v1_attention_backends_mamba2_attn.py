@@ -7,7 +7,7 @@
   describes one prefill checkpoint per row (``checkpoint_meta``), so the forward cannot see
   those blocks.
 - How: after vLLM's build, each prefill row's block-table row is read with
-  :func:`vllm_hybrid_backends.align.interior_checkpoints` (as for the gated delta net); the
+  :func:`vllm_hybrid_backends.interior.checkpoints_of_rows` (as for the gated delta net); the
   column of vLLM's own checkpoint is left to vLLM. Every such boundary ends a chunk of vLLM's
   SSD chunk table (chunks end at absolute multiples of the chunk size, and Mamba block sizes
   are multiples of it), so the scan's chunk states hold the state there. The boundaries become
@@ -32,7 +32,7 @@ import dataclasses
 import importlib
 from typing import Any
 
-from .. import align
+from .. import interior
 
 TARGET_MODULE = "vllm.v1.attention.backends.mamba2_attn"
 TARGET_SYMBOLS = ("Mamba2AttentionMetadataBuilder.build",
@@ -107,24 +107,17 @@ def plan_interior_states(block_table: Any, query_start_loc: Any, seq_lens: Any, 
     from ..types import CheckpointBatch
 
     rows, cols, token_end, seq_start, blocks, ends = [], [], [], [], [], []
-    for p in range(num_prefills):
-        r = first_row + p
+    found = interior.checkpoints_of_rows(block_table, query_start_loc, seq_lens,
+                                         range(first_row, first_row + num_prefills), block_size)
+    for r, (start, points) in found.items():
+        p = r - first_row
         first_token = int(query_start_loc[r])
-        query_len = int(query_start_loc[r + 1]) - first_token
-        if query_len <= block_size:
-            continue
-        end = int(seq_lens[r])
-        start = end - query_len
-        low, high = -(-start // block_size), -(-end // block_size) - 1
-        if low >= high:
-            continue
-        ids = [0] * low + block_table[r, low:high].tolist()
         skip = vllm_offsets[p] if vllm_offsets else 0
-        for offset, block in align.interior_checkpoints(ids, start, end, block_size):
+        for offset, block in points:
             if offset == skip:
                 continue
             rows.append(r)
-            cols.append((start + offset) // block_size - 1)
+            cols.append(interior.column_of(start, offset, block_size))
             seq_start.append(first_token - num_decode_tokens)
             token_end.append(first_token - num_decode_tokens + offset)
             blocks.append(block)

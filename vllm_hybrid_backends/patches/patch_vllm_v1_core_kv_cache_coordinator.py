@@ -43,7 +43,7 @@ finished request's cached prefix from its end, all groups together.
   checkpoint strictly inside the chunk (:func:`vllm_hybrid_backends.align.interior_tail_checkpoints`)
   to vLLM's count and remembers the columns; ``allocate_new_blocks`` puts a fresh block where
   vLLM padded those columns with the null block. The worker finds them in its block table
-  (:func:`vllm_hybrid_backends.align.interior_checkpoints`) and stores the states through
+  (:func:`vllm_hybrid_backends.interior.checkpoints`) and stores the states through
   ``hb_store_checkpoints``; ``cache_blocks`` hashes them like any kept boundary, and
   ``remove_skipped_blocks`` hands them back to the pool after the step, still cached. The
   request comes from ``patch_vllm_v1_core_kv_cache_manager``, which allocates again without the
@@ -80,7 +80,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import align, handshake, stats
+from .. import align, handshake, interior, stats
 from ..compat import signature_problem, version_allows
 from ..trace import trace_event
 from . import patch_vllm_v1_core_kv_cache_manager as manager_patch
@@ -124,8 +124,8 @@ class CoordinatorState:
     probation: dict[int, Any] = field(default_factory=dict)
     #: The newest block of the probation segment (new ones queue behind it: the oldest goes first).
     probation_last: Any = None
-    #: group index -> {request id: block columns planned for interior states this step}.
-    interior_plans: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    #: request id -> [(group index, block columns planned for interior states this step)].
+    interior_plans: dict[str, list[tuple[int, list[int]]]] = field(default_factory=dict)
     #: Found once from the coordinator's managers (None: not yet).
     mamba_managers: list[Any] | None = None
     mamba_per_block_size: list[Any] | None = None
@@ -418,7 +418,7 @@ def _release_probation(state: CoordinatorState, block_pool: Any, request_id: str
 def remove_skipped_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> None:
     _ORIGINALS["KVCacheCoordinator.remove_skipped_blocks"](self, request_id, *args, **kwargs)
     state = state_of(self)
-    if request_id in state.kept_states:
+    if state.kept_states and request_id in state.kept_states:
         _release_probation(state, self.block_pool, request_id, finished=False)
 
 
@@ -447,9 +447,16 @@ def _cache_blocks_of(cls_name: str) -> Any:
 
 
 def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: int) -> None:
-    managers = _mamba_managers(self)
-    for manager in _one_per_block_size(self, managers):  # groups of one size cache in lockstep
-        if manager.num_cached_block.get(request.request_id, 0) < num_computed_tokens // manager.block_size:
+    state = state_of(self)
+    managers = state.mamba_managers
+    if managers is None:
+        managers = _mamba_managers(self)
+    per_block_size = state.mamba_per_block_size
+    if per_block_size is None:
+        per_block_size = _one_per_block_size(self, managers)
+    request_id = request.request_id
+    for manager in per_block_size:  # groups of one size cache in lockstep
+        if manager.num_cached_block.get(request_id, 0) < num_computed_tokens // manager.block_size:
             break
     else:
         # No Mamba block becomes full: the boundaries cannot matter (the hot decode path).
@@ -685,8 +692,8 @@ def _interior_columns(ledger: align.RetentionLedger, manager: Any, request: Any,
         request_id = request.request_id
         admitted = lambda kind: ledger.admits(kind, request_id)  # noqa: E731
     size = manager.block_size
-    return [p // size - 1 for p in align.interior_tail_checkpoints(
-        start, end, request.num_prompt_tokens, size, policy, admitted)]
+    return interior.planned_columns(align.interior_tail_checkpoints(
+        start, end, request.num_prompt_tokens, size, policy, admitted), size)
 
 
 def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
@@ -694,35 +701,43 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
                                total_computed_tokens: int, num_local_computed_tokens: int,
                                num_tokens_main_model: int, apply_admission_cap: bool = False,
                                prefill_end: int = 0) -> int:
-    extra = {"prefill_end": prefill_end} if _TAKES_PREFILL_END else {}
-    count = _ORIGINALS["KVCacheCoordinator.get_num_blocks_to_allocate"](
-        self, request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
-        total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
-        apply_admission_cap=apply_admission_cap, **extra)
-    managers = _interior_managers(self)
+    original = _ORIGINALS["KVCacheCoordinator.get_num_blocks_to_allocate"]
+    if _TAKES_PREFILL_END:
+        count = original(self, request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
+                         total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
+                         apply_admission_cap=apply_admission_cap, prefill_end=prefill_end)
+    else:
+        count = original(self, request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
+                         total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
+                         apply_admission_cap=apply_admission_cap)
+    state = state_of(self)
+    managers = state.interior_managers
+    if managers is None:
+        managers = _interior_managers(self)
     if not managers:
         return count
-    state = state_of(self)
     allocation = manager_patch.allocating_for.get()
     request = allocation.request if allocation is not None else None
     inside = (num_tokens_main_model - total_computed_tokens > managers[0][1].block_size
               and request is not None and request.request_id == request_id)
-    for group, manager in managers:
-        columns: list[int] = []
-        if inside and not manager._has_partial_local_hit(new_computed_blocks[group],
-                                                         num_local_computed_tokens):
+    planned: list[tuple[int, list[int]]] = []
+    if inside:  # decode steps and one-block chunks plan nothing
+        for group, manager in managers:
+            if manager._has_partial_local_hit(new_computed_blocks[group],
+                                              num_local_computed_tokens):
+                continue
             columns = _interior_columns(state.ledger, manager, request, total_computed_tokens,
                                         num_tokens_main_model)
-        if columns:
-            count += len(columns)
-            allocation.interior = True  # type: ignore[union-attr]
-        if not apply_admission_cap:
             if columns:
-                state.interior_plans.setdefault(group, {})[request_id] = columns
-            else:
-                plans = state.interior_plans.get(group)
-                if plans:
-                    plans.pop(request_id, None)
+                count += len(columns)
+                planned.append((group, columns))
+        if planned:
+            allocation.interior = True  # type: ignore[union-attr]
+    if not apply_admission_cap:
+        if planned:
+            state.interior_plans[request_id] = planned
+        elif state.interior_plans:
+            state.interior_plans.pop(request_id, None)
     return count
 
 
@@ -743,27 +758,21 @@ def get_num_blocks_to_allocate_without_local(
 
 def allocate_new_blocks(self: Any, request_id: str, num_tokens: int, num_tokens_main_model: int,
                         num_encoder_tokens: int = 0) -> Any:
-    planned = []
-    state = state_of(self)
-    for group, manager in _interior_managers(self):
-        plans = state.interior_plans.get(group)
-        plan = plans.pop(request_id, None) if plans else None
-        if plan:
-            planned.append((manager, plan, len(manager.req_to_blocks[request_id])))
-    returned = _ORIGINALS["KVCacheCoordinator.allocate_new_blocks"](
-        self, request_id, num_tokens, num_tokens_main_model, num_encoder_tokens)
-    if not planned:
-        return returned
-    returned = list(returned)
-    for manager, plan, before in planned:
+    plans = state_of(self).interior_plans
+    plan = plans.pop(request_id, None) if plans else None
+    if plan is None:
+        return _ORIGINALS["KVCacheCoordinator.allocate_new_blocks"](
+            self, request_id, num_tokens, num_tokens_main_model, num_encoder_tokens)
+    planned = [(group, self.single_type_managers[group], columns,
+                len(self.single_type_managers[group].req_to_blocks[request_id]))
+               for group, columns in plan]
+    returned = list(_ORIGINALS["KVCacheCoordinator.allocate_new_blocks"](
+        self, request_id, num_tokens, num_tokens_main_model, num_encoder_tokens))
+    for group, manager, columns, before in planned:
         blocks = manager.req_to_blocks[request_id]
-        columns = [c for c in plan if before <= c < len(blocks) and blocks[c].is_null]
-        if not columns:
+        if not interior.place_blocks(blocks, columns, before, manager.block_pool.get_new_blocks):
             continue
-        for column, block in zip(columns, manager.block_pool.get_new_blocks(len(columns))):
-            blocks[column] = block
         # vLLM returns the blocks appended to the request (after a copy-on-write block, if any)
-        group = self.single_type_managers.index(manager)
         appended = len(blocks) - before
         returned[group] = list(returned[group][:len(returned[group]) - appended]) + blocks[before:]
     return tuple(returned)

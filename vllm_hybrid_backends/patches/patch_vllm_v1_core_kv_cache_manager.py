@@ -54,18 +54,21 @@ def missing() -> list[str]:
     if not callable(getattr(cls, "allocate_slots", None)):
         return [TARGET_SYMBOLS[0]]
     problem = signature_problem(_ORIGINALS.get("allocate_slots", cls.allocate_slots),
-                                TARGET_SYMBOLS[0], ("self", "request"), closed=False)
+                                TARGET_SYMBOLS[0], ("self", "request", "num_new_tokens"),
+                                closed=False)
     return [problem] if problem else []
 
 
-def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+def allocate_slots(self: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+    if num_new_tokens <= 1:  # a decode step: no chunk to plan interior blocks in
+        return _ORIGINALS["allocate_slots"](self, request, num_new_tokens, *args, **kwargs)
     allocation = Allocation(request)
     token = allocating_for.set(allocation)
     try:
-        blocks = _ORIGINALS["allocate_slots"](self, request, *args, **kwargs)
+        blocks = _ORIGINALS["allocate_slots"](self, request, num_new_tokens, *args, **kwargs)
         if blocks is None and allocation.interior:
             allocating_for.set(None)  # not enough blocks with them: allocate without
-            blocks = _ORIGINALS["allocate_slots"](self, request, *args, **kwargs)
+            blocks = _ORIGINALS["allocate_slots"](self, request, num_new_tokens, *args, **kwargs)
         return blocks
     finally:
         allocating_for.reset(token)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .. import align, plugins
+from .. import interior, plugins
 from ..types import CheckpointBatch, MambaStateTensor, StateKind
 
 __all__ = ["FakeHybridWorker", "Mismatch", "fingerprint"]
@@ -380,8 +380,8 @@ class FakeHybridWorker:
                         end: int, length: int, value: int, window: list[int],
                         processed: list[int]) -> None:
         """States at the interior checkpoints the KV-cache manager gave blocks, read from the
-        block table as the worker reads it (:func:`vllm_hybrid_backends.align.interior_checkpoints`)."""
-        points = align.interior_checkpoints(ids, start, end, self.block_size)
+        block table as the worker reads it (:func:`vllm_hybrid_backends.interior.checkpoints`)."""
+        points = interior.checkpoints(ids, start, end, self.block_size)
         if not points:
             return
         tokens = self.tokens(req_id)

@@ -1,0 +1,87 @@
+"""The interior-states protocol: Mamba states stored inside a prefill chunk, at block boundaries.
+
+In align mode a chunk's only new state is its last one; vLLM pads every column of the block
+table the chunk skips with the null block. Where the forward can store states inside the chunk
+(``patch_vllm_v1_core_kv_cache_coordinator.stores_interior``), the plugin asks for them through
+the block table alone, so the engine and the workers need no other channel:
+
+1. Plan (engine, KV-cache coordinator): the tail checkpoints strictly inside the chunk
+   (:func:`vllm_hybrid_backends.align.interior_tail_checkpoints`) become block-table columns,
+   :func:`planned_columns`.
+2. Allocate (engine): :func:`place_blocks` puts a fresh block at each planned column vLLM
+   padded with the null block.
+3. Read (worker metadata builders, the replay's fake model): a real block at a column the chunk
+   crosses asks for the state after that column's last token, :func:`checkpoints` for one row,
+   :func:`checkpoints_of_rows` for a batch; the states are stored through
+   ``hb_store_checkpoints``.
+4. Release (engine): the coordinator hashes the blocks like any kept boundary (``cache_blocks``)
+   and vLLM's ``remove_skipped_blocks`` hands them back to the pool after the step, still
+   cached, as it does every column before the running state's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def planned_columns(positions: Sequence[int], block_size: int) -> list[int]:
+    """The block-table columns whose block holds the state after each token position."""
+    return [position // block_size - 1 for position in positions]
+
+
+def place_blocks(blocks: list[Any], columns: Sequence[int], first_new_column: int,
+                 new_blocks: Callable[[int], list[Any]]) -> list[int]:
+    """Put a fresh block (from ``new_blocks(count)``) at each planned column that this
+    allocation appended (``>= first_new_column``) and vLLM padded with the null block;
+    returns the columns filled."""
+    columns = [c for c in columns if first_new_column <= c < len(blocks) and blocks[c].is_null]
+    if columns:
+        for column, block in zip(columns, new_blocks(len(columns))):
+            blocks[column] = block
+    return columns
+
+
+def column_of(start: int, offset: int, block_size: int) -> int:
+    """The block-table column of the state ``offset`` tokens into a chunk starting at ``start``."""
+    return (start + offset) // block_size - 1
+
+
+def crossed_columns(start: int, end: int, block_size: int) -> tuple[int, int]:
+    """The columns ``[first, last)`` that may hold interior states of the chunk ``[start, end)``:
+    earlier ones hold the states the request started from (a partial first block's is the hit's),
+    the running state's column ends at or past ``end``."""
+    return -(-start // block_size), -(-end // block_size) - 1
+
+
+def checkpoints(block_ids: Sequence[int], start: int, end: int, block_size: int,
+                null_block_id: int = 0) -> list[tuple[int, int]]:
+    """Where a forward over tokens ``[start, end)`` of a request stores states inside the chunk:
+    ``(offset from start, block id)`` pairs, ascending, one per real block in
+    :func:`crossed_columns` of the request's block-table row ``block_ids``."""
+    first, last = crossed_columns(start, end, block_size)
+    last = min(len(block_ids), last)
+    return [((c + 1) * block_size - start, int(block_ids[c])) for c in range(first, last)
+            if int(block_ids[c]) != null_block_id]
+
+
+def checkpoints_of_rows(block_table: Any, query_start_loc: Any, seq_lens: Any, rows: range,
+                        block_size: int) -> dict[int, tuple[int, list[tuple[int, int]]]]:
+    """``{row: (chunk start token, [(offset, block id), ...])}`` for the rows of a batch whose
+    chunk crosses a real block; host tensors (``block_table`` is ``[rows, columns]``), only the
+    crossed columns of each row are read."""
+    found: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+    for row in rows:
+        query_len = int(query_start_loc[row + 1]) - int(query_start_loc[row])
+        if query_len <= block_size:
+            continue
+        end = int(seq_lens[row])
+        start = end - query_len
+        first, last = crossed_columns(start, end, block_size)
+        if first >= last:
+            continue
+        ids = [0] * first + block_table[row, first:last].tolist()
+        points = checkpoints(ids, start, end, block_size)
+        if points:
+            found[row] = (start, points)
+    return found
