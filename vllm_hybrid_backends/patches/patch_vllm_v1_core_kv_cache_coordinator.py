@@ -714,6 +714,10 @@ PROBATION_SCAN = 64
 _PROBATION: dict[int, Any] = {}
 #: The newest block of the probation segment (new ones queue behind it: the oldest goes first).
 _probation_last: list[Any] = []
+#: block id -> (block, its hash) of probation blocks freed while the pool had spare uncached
+#: blocks: they keep their LRU place until an allocation is about to evict a block vLLM keeps
+#: cached, then join the probation segment first (:func:`_place_deferred`), oldest first.
+_DEFERRED: dict[int, tuple[Any, Any]] = {}
 
 
 def _evict_first_among_cached(queue: Any, blocks: list[Any]) -> None:
@@ -734,14 +738,62 @@ def _evict_first_among_cached(queue: Any, blocks: list[Any]) -> None:
             if following is queue.fake_free_list_tail or following.block_hash is not None:
                 break
             anchor = following
-        else:
-            return  # plenty of uncached blocks free: no pressure, LRU order stays
+        else:  # plenty of uncached blocks free: LRU order stays until an eviction comes
+            _defer(queue, blocks)
+            return
         for _ in range(len(_PROBATION)):  # the newest left the queue: find the segment's end
             following = anchor.next_free_block
             if following is queue.fake_free_list_tail or not _on_probation(following) \
                     or any(following is b for b in blocks):
                 break
             anchor = following
+    for block in blocks:
+        queue.remove(block)
+        _PROBATION[block.block_id] = block.block_hash
+    following = anchor.next_free_block
+    for block in blocks:
+        anchor.next_free_block, block.prev_free_block = block, anchor
+        anchor = block
+    anchor.next_free_block, following.prev_free_block = following, anchor
+    queue.num_free_blocks += len(blocks)
+    _probation_last[:] = [anchor]
+
+
+def _defer(queue: Any, blocks: list[Any]) -> None:
+    for block in blocks:
+        _DEFERRED[block.block_id] = (block, block.block_hash)
+    if "_hybrid_popleft_n" not in queue.__dict__:
+        original = queue.popleft_n
+
+        def popleft_n(n: int) -> list[Any]:
+            if _DEFERRED and n:
+                _place_deferred(queue, n)
+            return original(n)
+
+        queue._hybrid_popleft_n = original
+        queue.popleft_n = popleft_n
+
+
+def _place_deferred(queue: Any, n: int) -> None:
+    """Before vLLM pops ``n`` free blocks: if that would evict a cached block not on probation,
+    move the deferred probation blocks still free and unchanged in front of it, so a state
+    nobody reused is evicted before anything vLLM keeps, whatever the pressure when it was freed."""
+    victim = queue.fake_free_list_head.next_free_block
+    for _ in range(n):
+        if victim is queue.fake_free_list_tail:
+            return
+        if victim.block_hash is not None and not _on_probation(victim):
+            break
+        victim = victim.next_free_block
+    else:
+        return
+    anchor = victim.prev_free_block  # uncached or on probation: never a deferred block
+    blocks = [block for block, block_hash in _DEFERRED.values()
+              if block.block_hash == block_hash and block.ref_cnt == 0
+              and block.prev_free_block is not None]
+    _DEFERRED.clear()
+    if not blocks:
+        return
     for block in blocks:
         queue.remove(block)
         _PROBATION[block.block_id] = block.block_hash
@@ -779,6 +831,7 @@ def apply() -> None:
         _KEPT_STATES.clear()
         _PROBATION.clear()
         _probation_last.clear()
+        _DEFERRED.clear()
         _ORIGINALS["HybridKVCacheCoordinator.find_longest_cache_hit"] = (
             module.HybridKVCacheCoordinator.find_longest_cache_hit)
         module.HybridKVCacheCoordinator.find_longest_cache_hit = find_longest_cache_hit
