@@ -122,14 +122,14 @@ def scheduler_patched():
 
 def _fake_scheduler(block, min_block, original_result, stores_interior=False):
     fake = types.SimpleNamespace(block_size=block, cache_config=types.SimpleNamespace(block_size=min_block),
-                                 _hybrid_stores_interior=stores_interior)
+                                 _hybrid_stores_interior=stores_interior,
+                                 kv_cache_manager=types.SimpleNamespace(coordinator=types.SimpleNamespace()))
     return fake, (lambda self, request, n, local=0, external=0: original_result)
 
 
 def test_scheduler_patch_clips_vllms_chunk(scheduler_patched, monkeypatch):
     fake, original = _fake_scheduler(128, 128, 1500)
     monkeypatch.setitem(scheduler_patch._ORIGINALS, "_mamba_block_aligned_split", original)
-    monkeypatch.setattr(coordinator_patch, "LEDGER", align.RetentionLedger())
     request = types.SimpleNamespace(num_computed_tokens=0, num_prompt_tokens=1500, num_tokens=1500,
                                     request_id="r")
     assert scheduler_patched._mamba_block_aligned_split(fake, request, 1500) == 384
@@ -145,7 +145,6 @@ def test_scheduler_patch_does_not_split_where_the_forward_stores_interior_states
                                                                                 monkeypatch):
     fake, original = _fake_scheduler(128, 128, 1500, stores_interior=True)
     monkeypatch.setitem(scheduler_patch._ORIGINALS, "_mamba_block_aligned_split", original)
-    monkeypatch.setattr(coordinator_patch, "LEDGER", align.RetentionLedger())
     request = types.SimpleNamespace(num_computed_tokens=0, num_prompt_tokens=1500, num_tokens=1500,
                                     request_id="r")
     assert scheduler_patched._mamba_block_aligned_split(fake, request, 1500) == 1500
@@ -194,12 +193,14 @@ def test_coordinator_patch_adds_boundaries_only_while_caching_a_request():
     coordinator_patch.apply()
     try:
         assert boundaries() == plain
-        token = coordinator_patch._caching_for.set((request, align.AlignPolicy(), {}))
+        token = coordinator_patch._caching_for.set((request, align.AlignPolicy(), {},
+                                                    align.RetentionLedger()))
         try:
             assert boundaries() == tuple(sorted({384, 896, 1152, 1280, 1536, *plain}))
         finally:
             coordinator_patch._caching_for.reset(token)
-        token = coordinator_patch._caching_for.set((request, align.AlignPolicy(tail_checkpoints=0), {}))
+        token = coordinator_patch._caching_for.set((request, align.AlignPolicy(tail_checkpoints=0), {},
+                                                    align.RetentionLedger()))
         try:
             assert boundaries() == tuple(sorted({1536, *plain}))
         finally:
@@ -342,14 +343,6 @@ def _ids(queue):
     return out
 
 
-@pytest.fixture(autouse=True)
-def _fresh_probation():
-    # no monkeypatch here: it would be torn down after scheduler_patched's revert
-    coordinator_patch._PROBATION.clear()
-    coordinator_patch._probation_last.clear()
-    coordinator_patch._DEFERRED.clear()
-
-
 def _block(block_id, hashed):
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -363,7 +356,8 @@ def test_probation_blocks_go_after_the_uncached_free_blocks_before_every_cached_
     blocks = [_block(0, False), _block(1, False), _block(2, True), _block(3, True),
               _block(8, True), _block(9, True)]
     queue = _queue_with(blocks)
-    coordinator_patch._evict_first_among_cached(queue, [blocks[4], blocks[5]])
+    coordinator_patch._evict_first_among_cached(coordinator_patch.CoordinatorState(), queue,
+                                                [blocks[4], blocks[5]])
     assert _ids(queue) == [0, 1, 8, 9, 2, 3]
     assert queue.num_free_blocks == 6
     assert [b.block_id for b in queue.get_all_free_blocks()] == [0, 1, 8, 9, 2, 3]
@@ -373,7 +367,7 @@ def test_probation_keeps_lru_order_when_many_uncached_blocks_are_free():
     uncached = [_block(i, False) for i in range(coordinator_patch.PROBATION_SCAN + 1)]
     late = [_block(100, True), _block(101, True)]
     queue = _queue_with(uncached + late)
-    coordinator_patch._evict_first_among_cached(queue, late)
+    coordinator_patch._evict_first_among_cached(coordinator_patch.CoordinatorState(), queue, late)
     assert _ids(queue)[-2:] == [100, 101] and queue.num_free_blocks == len(uncached) + 2
 
 
@@ -383,7 +377,7 @@ def test_probation_freed_without_pressure_is_still_evicted_before_cached_blocks(
     uncached = [_block(i, False) for i in range(coordinator_patch.PROBATION_SCAN + 1)]
     kept_by_vllm, late = _block(50, True), [_block(100, True), _block(101, True)]
     queue = _queue_with(uncached + [kept_by_vllm] + late)
-    coordinator_patch._evict_first_among_cached(queue, late)
+    coordinator_patch._evict_first_among_cached(coordinator_patch.CoordinatorState(), queue, late)
     assert _ids(queue)[-3:] == [50, 100, 101]
     popped = queue.popleft_n(len(uncached) - 1)  # no cached block reached: nothing moves
     assert [b.block_id for b in popped] == list(range(len(uncached) - 1))
@@ -399,7 +393,8 @@ def test_deferred_probation_skips_blocks_hit_or_reused_meanwhile():
     uncached = [_block(i, False) for i in range(coordinator_patch.PROBATION_SCAN + 1)]
     kept_by_vllm, hit, reused = _block(50, True), _block(100, True), _block(101, True)
     queue = _queue_with(uncached + [kept_by_vllm, hit, reused])
-    coordinator_patch._evict_first_among_cached(queue, [hit, reused])
+    coordinator_patch._evict_first_among_cached(coordinator_patch.CoordinatorState(), queue,
+                                                [hit, reused])
     queue.remove(hit)  # a later request's hit took it out of the free queue
     reused.reset_hash()  # evicted and cached again under another key
     reused.set_block_hash(b"other", num_tokens=16)
@@ -407,54 +402,57 @@ def test_deferred_probation_skips_blocks_hit_or_reused_meanwhile():
     assert popped[-1] is kept_by_vllm and _ids(queue) == [101]
 
 
-def test_kept_states_handed_back_mid_run_go_on_probation_once_every_group_is_free(monkeypatch):
-    ledger = align.RetentionLedger()
-    monkeypatch.setattr(coordinator_patch, "LEDGER", ledger)
+def test_kept_states_handed_back_mid_run_go_on_probation_once_every_group_is_free():
+    state = coordinator_patch.CoordinatorState()
+    ledger = state.ledger
     old, state_g1, state_g2 = _block(1, True), _block(5, True), _block(6, True)
     queue = _queue_with([_block(0, False), old])
     ledger.record_kept("decode", 5, state_g1.block_hash)
     kept = {5: (state_g1, state_g1.block_hash, [state_g1, state_g2])}
-    monkeypatch.setitem(coordinator_patch._KEPT_STATES, "r", kept)
+    state.kept_states["r"] = kept
     state_g1.ref_cnt = state_g2.ref_cnt = 0
     queue.append_n([state_g1])  # group 2 still holds its block: not yet
-    coordinator_patch._release_probation(types.SimpleNamespace(free_block_queue=queue), "r", finished=False)
+    pool = types.SimpleNamespace(free_block_queue=queue)
+    coordinator_patch._release_probation(state, pool, "r", finished=False)
     assert _ids(queue) == [0, 1, 5] and 5 in kept
     queue.append_n([state_g2])
-    coordinator_patch._release_probation(types.SimpleNamespace(free_block_queue=queue), "r", finished=False)
-    assert _ids(queue) == [0, 5, 6, 1] and "r" in coordinator_patch._KEPT_STATES and not kept
+    coordinator_patch._release_probation(state, pool, "r", finished=False)
+    assert _ids(queue) == [0, 5, 6, 1] and "r" in state.kept_states and not kept
 
 
-def test_a_reused_or_proven_state_keeps_its_lru_place(monkeypatch):
-    ledger = align.RetentionLedger()
-    monkeypatch.setattr(coordinator_patch, "LEDGER", ledger)
+def test_a_reused_or_proven_state_keeps_its_lru_place():
+    state_of_cache = coordinator_patch.CoordinatorState()
+    ledger = state_of_cache.ledger
     spare, old, state, sibling = _block(0, False), _block(1, True), _block(5, True), _block(6, True)
     state.ref_cnt = sibling.ref_cnt = 0
     queue = _queue_with([spare, old, state, sibling])
     ledger.record_kept("tail-4", 5, state.block_hash)
     ledger.record_hit(5, state.block_hash)
     ledger.record_kept("decode", 6, sibling.block_hash)  # never hit, its kind unproven
-    monkeypatch.setitem(coordinator_patch._KEPT_STATES, "r", {
-        5: (state, state.block_hash, [state]), 6: (sibling, sibling.block_hash, [sibling])})
-    coordinator_patch._release_probation(types.SimpleNamespace(free_block_queue=queue), "r", finished=True)
-    assert _ids(queue) == [0, 6, 1, 5] and "r" not in coordinator_patch._KEPT_STATES
+    state_of_cache.kept_states["r"] = {
+        5: (state, state.block_hash, [state]), 6: (sibling, sibling.block_hash, [sibling])}
+    coordinator_patch._release_probation(state_of_cache, types.SimpleNamespace(free_block_queue=queue),
+                                         "r", finished=True)
+    assert _ids(queue) == [0, 6, 1, 5] and "r" not in state_of_cache.kept_states
     for block in range(align.RETENTION_WARMUP):  # decode states get reused: proven
         ledger.record_kept("decode", 100 + block, ("h", block))
         ledger.record_hit(100 + block, ("h", block))
     assert ledger.proven("decode") and not ledger.on_probation(6, sibling.block_hash)
 
 
-def test_probation_is_first_in_first_out(monkeypatch):
+def test_probation_is_first_in_first_out():
     blocks = [_block(0, False), _block(1, True), _block(7, True), _block(8, True), _block(9, True)]
     queue = _queue_with(blocks)
-    coordinator_patch._evict_first_among_cached(queue, [blocks[2]])
-    coordinator_patch._evict_first_among_cached(queue, [blocks[3]])
-    coordinator_patch._evict_first_among_cached(queue, [blocks[4]])
+    state = coordinator_patch.CoordinatorState()
+    coordinator_patch._evict_first_among_cached(state, queue, [blocks[2]])
+    coordinator_patch._evict_first_among_cached(state, queue, [blocks[3]])
+    coordinator_patch._evict_first_among_cached(state, queue, [blocks[4]])
     assert _ids(queue) == [0, 7, 8, 9, 1]  # the oldest state on probation is evicted first
     # one leaves the queue (a hit touched it): the next still queues behind the newest
     queue.remove(blocks[4])
     late = _block(10, True)
     queue.append_n([late])
-    coordinator_patch._evict_first_among_cached(queue, [late])
+    coordinator_patch._evict_first_among_cached(state, queue, [late])
     assert _ids(queue) == [0, 7, 8, 10, 1]
 
 

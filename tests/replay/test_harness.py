@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -426,22 +427,58 @@ def test_mamba2_checkpoint_chunk_starting_mid_block(trace_file, loads, overrides
     assert [m.describe() for m in result.mismatches] == []
 
 
-def test_adaptive_retention_stops_keeping_decode_states_nobody_resumes_from(monkeypatch):
+def _engines_in_one_process(trace: Trace, config: ReplayConfig, count: int) -> list[tuple[Any, Any]]:
+    """``count`` plugin engines built and run one after another under one application of the
+    patches (as the replay's engines share a process); (result, coordinator state) of each."""
+    from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
+    from vllm_hybrid_backends.replay import harness
+
+    policy = get_policy("plugin")
+    previous, coordinator.interior_override = coordinator.interior_override, True
+    try:
+        with policy.active():
+            runs = [harness._Run(trace, config, policy, False, {}, harness._default_accept(), None,
+                                 None) for _ in range(count)]
+            return [(run.run(), coordinator.state_of(run.scheduler.kv_cache_manager.coordinator))
+                    for run in runs]
+    finally:
+        coordinator.interior_override = previous
+
+
+def _one_shot_trace() -> Trace:
     # Unrelated single-turn requests whose outputs cross a block boundary: every decode state
     # is kept at first, none is ever reused, so the ledger soon keeps only sampled ones.
-    from vllm_hybrid_backends import align
-    from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
+    return Trace("one-shot", [TraceRequest(f"r{i}", list(range(3000 + 50 * i, 3020 + 50 * i)),
+                                           [7] * 12, arrival_s=float(i)) for i in range(60)])
 
-    trace = Trace("one-shot", [TraceRequest(f"r{i}", list(range(3000 + 50 * i, 3020 + 50 * i)),
-                                            [7] * 12, arrival_s=float(i)) for i in range(60)])
-    result = run_replay(trace, _tiny(), get_policy("plugin"))
+
+def test_adaptive_retention_stops_keeping_decode_states_nobody_resumes_from(monkeypatch):
+    from vllm_hybrid_backends import align
+
+    [(result, state)] = _engines_in_one_process(_one_shot_trace(), _tiny(), 1)
     assert result.mismatches == []
-    kept = coordinator.LEDGER.kept["decode"]
-    assert coordinator.LEDGER.reused["decode"] == 0
+    kept = state.ledger.kept["decode"]
+    assert state.ledger.reused["decode"] == 0
     assert align.RETENTION_WARMUP <= kept < align.RETENTION_WARMUP + 60 // 4
     monkeypatch.setenv(align.ADAPTIVE_RETENTION_ENV, "0")
-    run_replay(trace, _tiny(), get_policy("plugin"))
-    assert coordinator.LEDGER.kept == {}  # off: the ledger records nothing
+    [(_, state)] = _engines_in_one_process(_one_shot_trace(), _tiny(), 1)
+    assert state.ledger.kept == {}  # off: the ledger records nothing
+
+
+def test_two_engines_in_one_process_learn_and_evict_independently():
+    # The second engine starts from nothing: it keeps (and puts on probation) exactly what an
+    # engine alone does, not what is left of the first one's ledger and probation queue.
+    config = _tiny(cache_tokens=1024)
+    [(alone, alone_state)] = _engines_in_one_process(_one_shot_trace(), config, 1)
+    (first, first_state), (second, second_state) = _engines_in_one_process(
+        _one_shot_trace(), config, 2)
+    assert alone.mismatches == first.mismatches == second.mismatches == []
+    assert alone_state.ledger.kept["decode"] >= 1 and alone_state.probation
+    for state in (first_state, second_state):
+        assert state.ledger.kept == alone_state.ledger.kept
+        assert state.ledger.reused == alone_state.ledger.reused
+        assert sorted(state.probation) == sorted(alone_state.probation)
+    assert second.steps == alone.steps and second.evictions_mamba == alone.evictions_mamba
 
 
 @pd_not_on_026

@@ -50,6 +50,9 @@ finished request's cached prefix from its end, all groups together.
   interior blocks when the pool cannot give them. Requests with a partial-block hit,
   speculative blocks or an internal prefill checkpoint keep vLLM's allocation (the scheduler
   then splits, as before).
+- State: the ledger, the kept states, the probation segment and the managers found once live
+  in one :class:`CoordinatorState` per coordinator (:func:`state_of`), so two engines in one
+  process (the replay's upstream and plugin runs) share nothing.
 - Stats (``VLLM_HYBRID_STATS=1``, :mod:`vllm_hybrid_backends.stats`): ``cache_blocks`` counts
   the states it kept by kind, ``find_longest_cache_hit`` the hits ending on one and the missed
   tokens by reason, and the block pool's ``_maybe_evict_cached_block`` (wrapped on the
@@ -70,6 +73,7 @@ from __future__ import annotations
 import contextvars
 import importlib
 import inspect
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import align, handshake, stats
@@ -95,13 +99,49 @@ _ORIGINALS: dict[str, Any] = {}
 _TAKES_PREFILL_END = True
 #: Set at apply(): see :func:`_pops_blocks`.
 _POPS_BLOCKS = True
-#: (request, policy, memo of admitted boundaries) while ``cache_blocks`` runs for a request.
+#: (request, policy, memo of admitted boundaries, the coordinator's ledger) while
+#: ``cache_blocks`` runs for a request.
 _caching_for: contextvars.ContextVar[Any] = contextvars.ContextVar("hybrid_caching_for", default=None)
-#: What this engine process has learned about which extra states get reused (one per process).
-LEDGER = align.RetentionLedger()
-#: request id -> {ledger block id: (that block, its hash, the state's blocks in every Mamba group)}
-#: for the extra states it kept, until vLLM hands them back to the pool.
-_KEPT_STATES: dict[str, dict[int, tuple[Any, Any, list[Any]]]] = {}
+
+
+@dataclass
+class CoordinatorState:
+    """What the patch keeps for one KV-cache coordinator (one engine's cache): two engines in
+    one process (the replay's upstream and plugin runs) share nothing. Created on first use by
+    :func:`state_of` and stored on the coordinator."""
+
+    #: What this cache has learned about which extra states get reused.
+    ledger: align.RetentionLedger = field(default_factory=align.RetentionLedger)
+    #: request id -> {ledger block id: (that block, its hash, the state's blocks in every Mamba
+    #: group)} for the extra states it kept, until vLLM hands them back to the pool.
+    kept_states: dict[str, dict[int, tuple[Any, Any, list[Any]]]] = field(default_factory=dict)
+    #: block id -> hash of the blocks put on probation in vLLM's free queue; a block is still
+    #: there while its hash matches and it is free.
+    probation: dict[int, Any] = field(default_factory=dict)
+    #: The newest block of the probation segment (new ones queue behind it: the oldest goes first).
+    probation_last: Any = None
+    #: block id -> (block, its hash) of probation blocks freed while the pool had spare uncached
+    #: blocks: they keep their LRU place until an allocation is about to evict a block vLLM
+    #: keeps cached, then join the probation segment first (:func:`_place_deferred`).
+    deferred: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    #: group index -> {request id: block columns planned for interior states this step}.
+    interior_plans: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    #: Found once from the coordinator's managers (None: not yet).
+    mamba_managers: list[Any] | None = None
+    mamba_per_block_size: list[Any] | None = None
+    interior_managers: list[tuple[int, Any]] | None = None
+    internal_prefill_checkpoints: bool | None = None
+    #: Whether the block pool's evictions are counted (``VLLM_HYBRID_STATS``).
+    counts_evictions: bool = False
+
+
+def state_of(coordinator: Any) -> CoordinatorState:
+    """The patch's state for ``coordinator``, created on first use."""
+    try:
+        return coordinator._hybrid_state  # type: ignore[no-any-return]
+    except AttributeError:
+        state = coordinator._hybrid_state = CoordinatorState()
+        return state
 
 
 def _module() -> Any:
@@ -182,8 +222,9 @@ def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int, use_eag
     caching = _caching_for.get()
     if caching is None:
         return base
-    request, policy, memo = caching
-    extra = _admitted_boundaries(request, policy, num_prompt_tokens, scheduler_block_size, memo)
+    request, policy, memo, ledger = caching
+    extra = _admitted_boundaries(ledger, request, policy, num_prompt_tokens, scheduler_block_size,
+                                 memo)
     if not extra:
         return base
     return tuple(sorted(set(base).union(p for positions in extra.values() for p in positions)))
@@ -195,8 +236,8 @@ def get_replay_boundaries(self: Any, request: Any) -> tuple[int, ...]:
     caching = _caching_for.get()
     if caching is None:
         return base
-    _, policy, memo = caching
-    extra = _admitted_boundaries(request, policy, request.num_prompt_tokens,
+    _, policy, memo, ledger = caching
+    extra = _admitted_boundaries(ledger, request, policy, request.num_prompt_tokens,
                                  self.scheduler_block_size, memo)
     if not extra:
         return base
@@ -273,8 +314,8 @@ def _reachable_block_mask(cls: Any, start_block: int, end_block: int, alignment_
     keeps the admitted boundaries too (dense retention, vLLM's default there, keeps every state)."""
     caching = _caching_for.get()
     if caching is not None and retention_interval is not None and alignment_tokens:
-        request, policy, memo = caching
-        extra = _admitted_boundaries(request, policy, request.num_prompt_tokens,
+        request, policy, memo, ledger = caching
+        extra = _admitted_boundaries(ledger, request, policy, request.num_prompt_tokens,
                                      alignment_tokens, memo)
         reachable_boundaries = (*reachable_boundaries,
                                 *(p for positions in extra.values() for p in positions))
@@ -283,23 +324,25 @@ def _reachable_block_mask(cls: Any, start_block: int, end_block: int, alignment_
         retention_interval, reachable_boundaries)
 
 
-def _admitted_boundaries(request: Any, policy: align.AlignPolicy, num_prompt_tokens: int,
-                         block_size: int, memo: dict[Any, Any]) -> dict[str, tuple[int, ...]]:
+def _admitted_boundaries(ledger: align.RetentionLedger, request: Any, policy: align.AlignPolicy,
+                         num_prompt_tokens: int, block_size: int,
+                         memo: dict[Any, Any]) -> dict[str, tuple[int, ...]]:
     found = memo.get((num_prompt_tokens, block_size))
     if found is None:
         kinds = align.retained_boundaries_by_kind(num_prompt_tokens, request.num_tokens,
                                                   block_size, policy)
         found = {kind: positions for kind, positions in kinds.items()
-                 if not policy.adaptive_retention or LEDGER.admits(kind, request.request_id)}
+                 if not policy.adaptive_retention or ledger.admits(kind, request.request_id)}
         memo[(num_prompt_tokens, block_size)] = found
     return found
 
 
 def _mamba_managers(coordinator: Any) -> list[Any]:
-    known = getattr(coordinator, "_hybrid_mamba_managers", None)
+    state = state_of(coordinator)
+    known = state.mamba_managers
     if known is None:
         known = [m for m in coordinator.single_type_managers if _is_mamba_manager(m)]
-        coordinator._hybrid_mamba_managers = known
+        state.mamba_managers = known
     return known
 
 
@@ -314,10 +357,11 @@ def _is_mamba_manager(manager: Any) -> bool:
 
 
 def _one_per_block_size(coordinator: Any, managers: list[Any]) -> list[Any]:
-    known = getattr(coordinator, "_hybrid_mamba_per_block_size", None)
+    state = state_of(coordinator)
+    known = state.mamba_per_block_size
     if known is None:
         known = list({m.block_size: m for m in managers}.values())
-        coordinator._hybrid_mamba_per_block_size = known
+        state.mamba_per_block_size = known
     return known
 
 
@@ -328,7 +372,9 @@ def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolic
         return
     manager = managers[0]  # every Mamba group keeps the same positions
     size = manager.block_size
-    extra = _admitted_boundaries(request, policy, request.num_prompt_tokens, size, memo)
+    state = state_of(coordinator)
+    extra = _admitted_boundaries(state.ledger, request, policy, request.num_prompt_tokens, size,
+                                 memo)
     blocks = manager.req_to_blocks.get(request.request_id, ())
     for kind, positions in extra.items():
         for position in positions:
@@ -339,18 +385,19 @@ def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolic
             if block.is_null or block.block_hash is None:
                 continue
             if getattr(block, "block_hash_num_tokens", position) == position:
-                LEDGER.record_kept(kind, block.block_id, block.block_hash)
+                state.ledger.record_kept(kind, block.block_id, block.block_hash)
                 group_blocks = [m.req_to_blocks[request.request_id][index] for m in managers
                                 if m.block_size == size
                                 and index < len(m.req_to_blocks.get(request.request_id, ()))]
-                _KEPT_STATES.setdefault(request.request_id, {})[block.block_id] = (
+                state.kept_states.setdefault(request.request_id, {})[block.block_id] = (
                     block, block.block_hash, [b for b in group_blocks if not b.is_null])
 
 
-def _release_probation(block_pool: Any, request_id: str, *, finished: bool) -> None:
+def _release_probation(state: CoordinatorState, block_pool: Any, request_id: str, *,
+                       finished: bool) -> None:
     """Move a request's kept extra states that vLLM has handed back to the pool and that are
     on probation (:meth:`align.RetentionLedger.on_probation`) in front of the cached blocks."""
-    kept = _KEPT_STATES.get(request_id)
+    kept = state.kept_states.get(request_id)
     if not kept:
         return
     front: list[Any] = []
@@ -360,28 +407,30 @@ def _release_probation(block_pool: Any, request_id: str, *, finished: bool) -> N
             continue
         if all(b.ref_cnt == 0 and b.prev_free_block is not None for b in blocks):
             del kept[key_id]
-            if LEDGER.on_probation(key_id, key_hash):
+            if state.ledger.on_probation(key_id, key_hash):
                 front += [b for b in blocks if b.block_hash is not None]
     if finished:
-        _KEPT_STATES.pop(request_id, None)
+        state.kept_states.pop(request_id, None)
     if front:
-        _evict_first_among_cached(block_pool.free_block_queue, front)
+        _evict_first_among_cached(state, block_pool.free_block_queue, front)
 
 
 def remove_skipped_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> None:
     _ORIGINALS["KVCacheCoordinator.remove_skipped_blocks"](self, request_id, *args, **kwargs)
-    if request_id in _KEPT_STATES:
-        _release_probation(self.block_pool, request_id, finished=False)
+    state = state_of(self)
+    if request_id in state.kept_states:
+        _release_probation(state, self.block_pool, request_id, finished=False)
 
 
 def _internal_prefill_checkpoints(coordinator: Any) -> bool:
     """The scheduler's ``mamba_has_prefill_checkpoint_blocks``, from the coordinator's managers."""
-    known = getattr(coordinator, "_hybrid_internal_prefill_checkpoints", None)
+    state = state_of(coordinator)
+    known = state.internal_prefill_checkpoints
     if known is None:
         mamba = _mamba_managers(coordinator)
         known = bool(mamba) and all(getattr(m, "has_prefill_checkpoint_blocks", False)
                                     for m in mamba)
-        coordinator._hybrid_internal_prefill_checkpoints = known
+        state.internal_prefill_checkpoints = known
     return known
 
 
@@ -411,7 +460,7 @@ def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: i
         interior_states=bool(_interior_managers(self)))
     memo: dict[Any, Any] = {}
     before = managers[0].num_cached_block.get(request.request_id, 0) if stats.enabled else 0
-    token = _caching_for.set((request, policy, memo))
+    token = _caching_for.set((request, policy, memo, state_of(self).ledger))
     try:
         original(self, request, num_computed_tokens)
     finally:
@@ -425,13 +474,15 @@ def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: i
 def _count_kept_states(coordinator: Any, manager: Any, request: Any, policy: align.AlignPolicy,
                        memo: dict[Any, Any], before: int) -> None:
     """Count the Mamba states this ``cache_blocks`` call kept, by kind (``VLLM_HYBRID_STATS``)."""
-    pool = coordinator.block_pool
-    if not getattr(pool, "_hybrid_counts_evictions", False):
-        _count_evictions(pool, {coordinator.single_type_managers.index(m)
-                                for m in _mamba_managers(coordinator)})
+    state = state_of(coordinator)
+    if not state.counts_evictions:
+        _count_evictions(coordinator.block_pool, {coordinator.single_type_managers.index(m)
+                                                  for m in _mamba_managers(coordinator)})
+        state.counts_evictions = True
     size = manager.block_size
     kinds = {p: kind.split("-", 1)[0] for kind, positions in _admitted_boundaries(
-        request, policy, request.num_prompt_tokens, size, memo).items() for p in positions}
+        state.ledger, request, policy, request.num_prompt_tokens, size, memo).items()
+        for p in positions}
     blocks = manager.req_to_blocks.get(request.request_id, ())
     for index in range(before, min(manager.num_cached_block.get(request.request_id, 0),
                                    len(blocks))):
@@ -454,7 +505,6 @@ def _count_evictions(pool: Any, mamba_groups: set[int]) -> None:
         return bool(evicted)
 
     pool._maybe_evict_cached_block = maybe_evict_cached_block
-    pool._hybrid_counts_evictions = True
 
 
 def find_longest_cache_hit(self: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
@@ -530,7 +580,7 @@ def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length:
     if result[1] > 0 and managers:
         hit = result[0][self.single_type_managers.index(managers[0])]
         if hit and not hit[-1].is_null and hit[-1].block_hash is not None:
-            LEDGER.record_hit(hit[-1].block_id, hit[-1].block_hash)
+            state_of(self).ledger.record_hit(hit[-1].block_id, hit[-1].block_hash)
             if stats.enabled:
                 stats.record_reused(hit[-1])
     if stats.enabled and managers:
@@ -540,16 +590,17 @@ def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length:
 
 
 def free(self: Any, request_id: str) -> None:
-    LEDGER.forget_request(request_id)
+    state = state_of(self)
+    state.ledger.forget_request(request_id)
     if not align.active_policy().suffix_eviction or not _POPS_BLOCKS:
         _ORIGINALS["KVCacheCoordinator.free"](self, request_id)
-        _release_probation(self.block_pool, request_id, finished=True)
+        _release_probation(state, self.block_pool, request_id, finished=True)
         return
     groups = [(manager.block_size, manager.pop_blocks_for_free(request_id))
               for manager in self.single_type_managers]
     ordered = align.suffix_eviction_order(groups)
     self.block_pool.free_blocks(ordered)
-    _release_probation(self.block_pool, request_id, finished=True)
+    _release_probation(state, self.block_pool, request_id, finished=True)
 
 
 #: Mamba layer kinds (vLLM's ``MambaAttentionBackendEnum`` names) whose forward on vLLM-CPU
@@ -601,11 +652,12 @@ def _workers_store_interior(kind: str, support: handshake.WorkerSupport | None) 
 
 def _interior_managers(coordinator: Any) -> list[tuple[int, Any]]:
     """(group index, manager) of the Mamba groups whose forward stores interior states."""
-    known = coordinator.__dict__.get("_hybrid_interior_managers")
+    state = state_of(coordinator)
+    known = state.interior_managers
     if known is None:
         known = [(coordinator.single_type_managers.index(m), m) for m in _mamba_managers(coordinator)
                  if stores_interior(m.kv_cache_spec) and _counts_local_tokens(coordinator)]
-        coordinator._hybrid_interior_managers = known
+        state.interior_managers = known
         support = handshake.current()
         trace_event("interior_states_decided", groups=[group for group, _ in known],
                     handshake=support.established,
@@ -613,7 +665,8 @@ def _interior_managers(coordinator: Any) -> list[tuple[int, Any]]:
     return known
 
 
-def _interior_columns(manager: Any, request: Any, start: int, end: int) -> list[int]:
+def _interior_columns(ledger: align.RetentionLedger, manager: Any, request: Any, start: int,
+                      end: int) -> list[int]:
     policy = align.policy_for_model(align.active_policy(), internal_prefill_checkpoints=False,
                                     interior_states=True)
     if (not policy.interior_states or request.request_id in manager._partial_hit_reqs
@@ -622,7 +675,7 @@ def _interior_columns(manager: Any, request: Any, start: int, end: int) -> list[
     admitted = None
     if policy.adaptive_retention:
         request_id = request.request_id
-        admitted = lambda kind: LEDGER.admits(kind, request_id)  # noqa: E731
+        admitted = lambda kind: ledger.admits(kind, request_id)  # noqa: E731
     size = manager.block_size
     return [p // size - 1 for p in align.interior_tail_checkpoints(
         start, end, request.num_prompt_tokens, size, policy, admitted)]
@@ -641,6 +694,7 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
     managers = _interior_managers(self)
     if not managers:
         return count
+    state = state_of(self)
     allocation = manager_patch.allocating_for.get()
     request = allocation.request if allocation is not None else None
     inside = (num_tokens_main_model - total_computed_tokens > managers[0][1].block_size
@@ -649,23 +703,23 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
         columns: list[int] = []
         if inside and not manager._has_partial_local_hit(new_computed_blocks[group],
                                                          num_local_computed_tokens):
-            columns = _interior_columns(manager, request, total_computed_tokens,
+            columns = _interior_columns(state.ledger, manager, request, total_computed_tokens,
                                         num_tokens_main_model)
         if columns:
             count += len(columns)
             allocation.interior = True  # type: ignore[union-attr]
         if not apply_admission_cap:
             if columns:
-                manager.__dict__.setdefault("_hybrid_interior_plans", {})[request_id] = columns
+                state.interior_plans.setdefault(group, {})[request_id] = columns
             else:
-                plans = manager.__dict__.get("_hybrid_interior_plans")
+                plans = state.interior_plans.get(group)
                 if plans:
                     plans.pop(request_id, None)
     return count
 
 
-def _on_probation(block: Any) -> bool:
-    return block.block_hash is not None and _PROBATION.get(block.block_id) == block.block_hash
+def _on_probation(state: CoordinatorState, block: Any) -> bool:
+    return block.block_hash is not None and state.probation.get(block.block_id) == block.block_hash
 
 
 def get_num_blocks_to_allocate_without_local(
@@ -682,8 +736,9 @@ def get_num_blocks_to_allocate_without_local(
 def allocate_new_blocks(self: Any, request_id: str, num_tokens: int, num_tokens_main_model: int,
                         num_encoder_tokens: int = 0) -> Any:
     planned = []
-    for _, manager in _interior_managers(self):
-        plans = manager.__dict__.get("_hybrid_interior_plans")
+    state = state_of(self)
+    for group, manager in _interior_managers(self):
+        plans = state.interior_plans.get(group)
         plan = plans.pop(request_id, None) if plans else None
         if plan:
             planned.append((manager, plan, len(manager.req_to_blocks[request_id])))
@@ -709,27 +764,18 @@ def allocate_new_blocks(self: Any, request_id: str, num_tokens: int, num_tokens_
 #: How far past the uncached free blocks to look for the oldest cached one; beyond it the pool
 #: has that many uncached blocks free, nothing is under pressure and LRU order is kept.
 PROBATION_SCAN = 64
-#: block id -> hash of the blocks this process put on probation in vLLM's free queue; a block
-#: is still there while its hash matches and it is free.
-_PROBATION: dict[int, Any] = {}
-#: The newest block of the probation segment (new ones queue behind it: the oldest goes first).
-_probation_last: list[Any] = []
-#: block id -> (block, its hash) of probation blocks freed while the pool had spare uncached
-#: blocks: they keep their LRU place until an allocation is about to evict a block vLLM keeps
-#: cached, then join the probation segment first (:func:`_place_deferred`), oldest first.
-_DEFERRED: dict[int, tuple[Any, Any]] = {}
 
 
-def _evict_first_among_cached(queue: Any, blocks: list[Any]) -> None:
+def _evict_first_among_cached(state: CoordinatorState, queue: Any, blocks: list[Any]) -> None:
     """Move freed ``blocks`` from the LRU end of vLLM's free queue to the probation segment:
     after the uncached free blocks (reused first anyway) and the states already on probation
     (oldest first), before every block vLLM itself keeps cached."""
     blocks = [b for b in blocks if b.ref_cnt == 0 and b.prev_free_block is not None]
     if not blocks:
         return
-    last = _probation_last[0] if _probation_last else None
+    last = state.probation_last
     if (last is not None and last.ref_cnt == 0 and last.prev_free_block is not None
-            and _on_probation(last) and all(last is not b for b in blocks)):
+            and _on_probation(state, last) and all(last is not b for b in blocks)):
         anchor = last
     else:
         anchor = queue.fake_free_list_head
@@ -739,42 +785,42 @@ def _evict_first_among_cached(queue: Any, blocks: list[Any]) -> None:
                 break
             anchor = following
         else:  # plenty of uncached blocks free: LRU order stays until an eviction comes
-            _defer(queue, blocks)
+            _defer(state, queue, blocks)
             return
-        for _ in range(len(_PROBATION)):  # the newest left the queue: find the segment's end
+        for _ in range(len(state.probation)):  # the newest left the queue: find the segment's end
             following = anchor.next_free_block
-            if following is queue.fake_free_list_tail or not _on_probation(following) \
+            if following is queue.fake_free_list_tail or not _on_probation(state, following) \
                     or any(following is b for b in blocks):
                 break
             anchor = following
     for block in blocks:
         queue.remove(block)
-        _PROBATION[block.block_id] = block.block_hash
+        state.probation[block.block_id] = block.block_hash
     following = anchor.next_free_block
     for block in blocks:
         anchor.next_free_block, block.prev_free_block = block, anchor
         anchor = block
     anchor.next_free_block, following.prev_free_block = following, anchor
     queue.num_free_blocks += len(blocks)
-    _probation_last[:] = [anchor]
+    state.probation_last = anchor
 
 
-def _defer(queue: Any, blocks: list[Any]) -> None:
+def _defer(state: CoordinatorState, queue: Any, blocks: list[Any]) -> None:
     for block in blocks:
-        _DEFERRED[block.block_id] = (block, block.block_hash)
+        state.deferred[block.block_id] = (block, block.block_hash)
     if "_hybrid_popleft_n" not in queue.__dict__:
         original = queue.popleft_n
 
         def popleft_n(n: int) -> list[Any]:
-            if _DEFERRED and n:
-                _place_deferred(queue, n)
+            if state.deferred and n:
+                _place_deferred(state, queue, n)
             return original(n)
 
         queue._hybrid_popleft_n = original
         queue.popleft_n = popleft_n
 
 
-def _place_deferred(queue: Any, n: int) -> None:
+def _place_deferred(state: CoordinatorState, queue: Any, n: int) -> None:
     """Before vLLM pops ``n`` free blocks: if that would evict a cached block not on probation,
     move the deferred probation blocks still free and unchanged in front of it, so a state
     nobody reused is evicted before anything vLLM keeps, whatever the pressure when it was freed."""
@@ -782,28 +828,28 @@ def _place_deferred(queue: Any, n: int) -> None:
     for _ in range(n):
         if victim is queue.fake_free_list_tail:
             return
-        if victim.block_hash is not None and not _on_probation(victim):
+        if victim.block_hash is not None and not _on_probation(state, victim):
             break
         victim = victim.next_free_block
     else:
         return
     anchor = victim.prev_free_block  # uncached or on probation: never a deferred block
-    blocks = [block for block, block_hash in _DEFERRED.values()
+    blocks = [block for block, block_hash in state.deferred.values()
               if block.block_hash == block_hash and block.ref_cnt == 0
               and block.prev_free_block is not None]
-    _DEFERRED.clear()
+    state.deferred.clear()
     if not blocks:
         return
     for block in blocks:
         queue.remove(block)
-        _PROBATION[block.block_id] = block.block_hash
+        state.probation[block.block_id] = block.block_hash
     following = anchor.next_free_block
     for block in blocks:
         anchor.next_free_block, block.prev_free_block = block, anchor
         anchor = block
     anchor.next_free_block, following.prev_free_block = following, anchor
     queue.num_free_blocks += len(blocks)
-    _probation_last[:] = [anchor]
+    state.probation_last = anchor
 
 
 def _coordinator_classes(module: Any) -> list[type]:
@@ -822,16 +868,11 @@ for _wrapper in _WRAPPERS:
 
 
 def apply() -> None:
-    global LEDGER, _TAKES_PREFILL_END, _POPS_BLOCKS
+    global _TAKES_PREFILL_END, _POPS_BLOCKS
     align.refresh_policy()
     stats.refresh()
     module = _module()
     if module.HybridKVCacheCoordinator.find_longest_cache_hit is not find_longest_cache_hit:
-        LEDGER = align.RetentionLedger()
-        _KEPT_STATES.clear()
-        _PROBATION.clear()
-        _probation_last.clear()
-        _DEFERRED.clear()
         _ORIGINALS["HybridKVCacheCoordinator.find_longest_cache_hit"] = (
             module.HybridKVCacheCoordinator.find_longest_cache_hit)
         module.HybridKVCacheCoordinator.find_longest_cache_hit = find_longest_cache_hit

@@ -76,7 +76,7 @@ def _mamba_block_aligned_split(self: Any, request: Any, num_new_tokens: int,
         internal_prefill_checkpoints=getattr(self, "mamba_has_prefill_checkpoint_blocks", False))
     admitted = None
     if policy.adaptive_retention:
-        ledger = coordinator_patch.LEDGER
+        ledger = coordinator_patch.state_of(self.kv_cache_manager.coordinator).ledger
         admitted = lambda kind: ledger.admits(kind, request.request_id)  # noqa: E731
     end = align.chunk_end(start, start + scheduled, request.num_prompt_tokens, prefill_end,
                           split_block_size=self.cache_config.block_size,
