@@ -32,7 +32,10 @@ finished request's cached prefix from its end, all groups together.
   (align mode does so mid-run, in ``remove_skipped_blocks``, or in ``free``) and it was never
   reused and its kind is unproven, it moves in front of every other cached block in vLLM's free
   queue (after the uncached ones), so a snapshot nobody reuses never evicts an attention prefix
-  or a state vLLM itself keeps.
+  or a state vLLM itself keeps. While the pool still has many uncached blocks free it keeps
+  its LRU place instead, until an allocation is about to evict a cached block: the free
+  queue's ``popleft_n`` (wrapped on that pool's queue instance, once it holds such a state)
+  then moves it in front first, so this holds whatever the pressure when it was freed.
 - Interior states (``VLLM_HYBRID_INTERIOR_STATES``, issue #5 item 4): in align mode a chunk's
   only new state is its last one, every block it skips is padded with the null block, so keeping
   a tail checkpoint meant ending a chunk there (one more forward step, all layers, per
