@@ -524,3 +524,22 @@ def test_a_family_of_kinds_nobody_reuses_stops_being_admitted_as_a_whole():
         ledger.record_hit(hit, ("h", hit))
     assert all(ledger.admits("tail-5", f"s{i}") for i in range(50))
     assert ledger.admits("decode", "r0")  # other families are not affected
+
+
+def test_deferred_probation_leaves_a_state_whose_kind_was_proven_meanwhile():
+    state = coordinator_patch.CoordinatorState()
+    uncached = [_block(i, False) for i in range(coordinator_patch.PROBATION_SCAN + 1)]
+    kept_by_vllm, tail_state = _block(50, True), _block(100, True)
+    tail_state.ref_cnt = 0
+    queue = _queue_with(uncached + [kept_by_vllm])
+    queue.append_n([tail_state])
+    state.ledger.record_kept("tail-2", 100, tail_state.block_hash)
+    state.kept_states["r"] = {100: (tail_state, tail_state.block_hash, [tail_state])}
+    coordinator_patch._release_probation(state, types.SimpleNamespace(free_block_queue=queue),
+                                         "r", finished=True)
+    assert 100 in state.deferred
+    for block in range(align.RETENTION_WARMUP):  # tail-2 states get reused: proven
+        state.ledger.record_kept("tail-2", 200 + block, ("h", block))
+        state.ledger.record_hit(200 + block, ("h", block))
+    popped = queue.popleft_n(len(uncached) + 1)
+    assert popped[-1] is kept_by_vllm and _ids(queue) == [100]

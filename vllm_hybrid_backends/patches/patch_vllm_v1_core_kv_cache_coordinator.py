@@ -127,6 +127,9 @@ class CoordinatorState:
     #: blocks: they keep their LRU place until an allocation is about to evict a block vLLM
     #: keeps cached, then join the probation segment first (:func:`_place_deferred`).
     deferred: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    #: block id -> (ledger block id, its hash) of the state a block on probation belongs to:
+    #: a deferred block whose kind was proven meanwhile keeps its LRU place.
+    probation_keys: dict[int, tuple[int, Any]] = field(default_factory=dict)
     #: group index -> {request id: block columns planned for interior states this step}.
     interior_plans: dict[int, dict[str, list[int]]] = field(default_factory=dict)
     #: Found once from the coordinator's managers (None: not yet).
@@ -412,6 +415,7 @@ def _release_probation(state: CoordinatorState, block_pool: Any, request_id: str
             del kept[key_id]
             if state.ledger.on_probation(key_id, key_hash):
                 front += [b for b in blocks if b.block_hash is not None]
+                state.probation_keys.update((b.block_id, (key_id, key_hash)) for b in blocks)
     if finished:
         state.kept_states.pop(request_id, None)
     if front:
@@ -837,10 +841,13 @@ def _place_deferred(state: CoordinatorState, queue: Any, n: int) -> None:
     else:
         return
     anchor = victim.prev_free_block  # uncached or on probation: never a deferred block
+    keys = state.probation_keys
     blocks = [block for block, block_hash in state.deferred.values()
               if block.block_hash == block_hash and block.ref_cnt == 0
-              and block.prev_free_block is not None]
+              and block.prev_free_block is not None
+              and (block.block_id not in keys or state.ledger.on_probation(*keys[block.block_id]))]
     state.deferred.clear()
+    keys.clear()
     if not blocks:
         return
     for block in blocks:
