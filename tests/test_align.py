@@ -401,6 +401,37 @@ def test_probation_keeps_lru_order_when_many_uncached_blocks_are_free():
     assert _ids(queue)[-2:] == [100, 101] and queue.num_free_blocks == len(uncached) + 2
 
 
+def test_probation_freed_without_pressure_is_still_evicted_before_cached_blocks():
+    # freed while many uncached blocks were free (LRU place kept), a never-reused state must
+    # still go before a block vLLM keeps once an allocation evicts (rag, nemotron-h-8b, 2M)
+    uncached = [_block(i, False) for i in range(coordinator_patch.PROBATION_SCAN + 1)]
+    kept_by_vllm, late = _block(50, True), [_block(100, True), _block(101, True)]
+    queue = _queue_with(uncached + [kept_by_vllm] + late)
+    coordinator_patch._evict_first_among_cached(coordinator_patch.CoordinatorState(), queue, late)
+    assert _ids(queue)[-3:] == [50, 100, 101]
+    popped = queue.popleft_n(len(uncached) - 1)  # no cached block reached: nothing moves
+    assert [b.block_id for b in popped] == list(range(len(uncached) - 1))
+    assert _ids(queue) == [len(uncached) - 1, 50, 100, 101]
+    popped = queue.popleft_n(2)
+    assert [b.block_id for b in popped] == [len(uncached) - 1, 100]
+    assert _ids(queue) == [101, 50] and queue.num_free_blocks == 2
+    popped = queue.popleft_n(1)
+    assert [b.block_id for b in popped] == [101] and _ids(queue) == [50]
+
+
+def test_deferred_probation_skips_blocks_hit_or_reused_meanwhile():
+    uncached = [_block(i, False) for i in range(coordinator_patch.PROBATION_SCAN + 1)]
+    kept_by_vllm, hit, reused = _block(50, True), _block(100, True), _block(101, True)
+    queue = _queue_with(uncached + [kept_by_vllm, hit, reused])
+    coordinator_patch._evict_first_among_cached(coordinator_patch.CoordinatorState(), queue,
+                                                [hit, reused])
+    queue.remove(hit)  # a later request's hit took it out of the free queue
+    reused.reset_hash()  # evicted and cached again under another key
+    reused.set_block_hash(b"other", num_tokens=16)
+    popped = queue.popleft_n(len(uncached) + 1)
+    assert popped[-1] is kept_by_vllm and _ids(queue) == [101]
+
+
 def test_kept_states_handed_back_mid_run_go_on_probation_once_every_group_is_free():
     state = coordinator_patch.CoordinatorState()
     ledger = state.ledger
@@ -509,3 +540,22 @@ def test_a_family_of_kinds_nobody_reuses_stops_being_admitted_as_a_whole():
         ledger.record_hit(hit, ("h", hit))
     assert all(ledger.admits("tail-5", f"s{i}") for i in range(50))
     assert ledger.admits("decode", "r0")  # other families are not affected
+
+
+def test_deferred_probation_leaves_a_state_whose_kind_was_proven_meanwhile():
+    state = coordinator_patch.CoordinatorState()
+    uncached = [_block(i, False) for i in range(coordinator_patch.PROBATION_SCAN + 1)]
+    kept_by_vllm, tail_state = _block(50, True), _block(100, True)
+    tail_state.ref_cnt = 0
+    queue = _queue_with(uncached + [kept_by_vllm])
+    queue.append_n([tail_state])
+    state.ledger.record_kept("tail-2", 100, tail_state.block_hash)
+    state.kept_states["r"] = {100: (tail_state, tail_state.block_hash, [tail_state])}
+    coordinator_patch._release_probation(state, types.SimpleNamespace(free_block_queue=queue),
+                                         "r", finished=True)
+    assert 100 in state.deferred
+    for block in range(align.RETENTION_WARMUP):  # tail-2 states get reused: proven
+        state.ledger.record_kept("tail-2", 200 + block, ("h", block))
+        state.ledger.record_hit(200 + block, ("h", block))
+    popped = queue.popleft_n(len(uncached) + 1)
+    assert popped[-1] is kept_by_vllm and _ids(queue) == [100]

@@ -32,7 +32,10 @@ finished request's cached prefix from its end, all groups together.
   (align mode does so mid-run, in ``remove_skipped_blocks``, or in ``free``) and it was never
   reused and its kind is unproven, it moves in front of every other cached block in vLLM's free
   queue (after the uncached ones), so a snapshot nobody reuses never evicts an attention prefix
-  or a state vLLM itself keeps.
+  or a state vLLM itself keeps. While the pool still has many uncached blocks free it keeps
+  its LRU place instead, until an allocation is about to evict a cached block: the free
+  queue's ``popleft_n`` (wrapped on that pool's queue instance, once it holds such a state)
+  then moves it in front first, so this holds whatever the pressure when it was freed.
 - Interior states (``VLLM_HYBRID_INTERIOR_STATES``, issue #5 item 4): in align mode a chunk's
   only new state is its last one, every block it skips is padded with the null block, so keeping
   a tail checkpoint meant ending a chunk there (one more forward step, all layers, per
@@ -126,6 +129,13 @@ class CoordinatorState:
     probation_last: Any = None
     #: request id -> [(group index, block columns planned for interior states this step)].
     interior_plans: dict[str, list[tuple[int, list[int]]]] = field(default_factory=dict)
+    #: block id -> (block, its hash) of probation blocks freed while the pool had spare uncached
+    #: blocks: they keep their LRU place until an allocation is about to evict a block vLLM
+    #: keeps cached, then join the probation segment first (:func:`_place_deferred`).
+    deferred: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    #: block id -> (ledger block id, its hash) of the state a block on probation belongs to:
+    #: a deferred block whose kind was proven meanwhile keeps its LRU place.
+    probation_keys: dict[int, tuple[int, Any]] = field(default_factory=dict)
     #: Found once from the coordinator's managers (None: not yet).
     mamba_managers: list[Any] | None = None
     mamba_per_block_size: list[Any] | None = None
@@ -409,6 +419,7 @@ def _release_probation(state: CoordinatorState, block_pool: Any, request_id: str
             del kept[key_id]
             if state.ledger.on_probation(key_id, key_hash):
                 front += [b for b in blocks if b.block_hash is not None]
+                state.probation_keys.update((b.block_id, (key_id, key_hash)) for b in blocks)
     if finished:
         state.kept_states.pop(request_id, None)
     if front:
@@ -801,14 +812,65 @@ def _evict_first_among_cached(state: CoordinatorState, queue: Any, blocks: list[
             if following is queue.fake_free_list_tail or following.block_hash is not None:
                 break
             anchor = following
-        else:
-            return  # plenty of uncached blocks free: no pressure, LRU order stays
+        else:  # plenty of uncached blocks free: LRU order stays until an eviction comes
+            _defer(state, queue, blocks)
+            return
         for _ in range(len(state.probation)):  # the newest left the queue: find the segment's end
             following = anchor.next_free_block
             if following is queue.fake_free_list_tail or not _on_probation(state, following) \
                     or any(following is b for b in blocks):
                 break
             anchor = following
+    for block in blocks:
+        queue.remove(block)
+        state.probation[block.block_id] = block.block_hash
+    following = anchor.next_free_block
+    for block in blocks:
+        anchor.next_free_block, block.prev_free_block = block, anchor
+        anchor = block
+    anchor.next_free_block, following.prev_free_block = following, anchor
+    queue.num_free_blocks += len(blocks)
+    state.probation_last = anchor
+
+
+def _defer(state: CoordinatorState, queue: Any, blocks: list[Any]) -> None:
+    for block in blocks:
+        state.deferred[block.block_id] = (block, block.block_hash)
+    if "_hybrid_popleft_n" not in queue.__dict__:
+        original = queue.popleft_n
+
+        def popleft_n(n: int) -> list[Any]:
+            if state.deferred and n:
+                _place_deferred(state, queue, n)
+            return original(n)
+
+        queue._hybrid_popleft_n = original
+        queue.popleft_n = popleft_n
+
+
+def _place_deferred(state: CoordinatorState, queue: Any, n: int) -> None:
+    """Before vLLM pops ``n`` free blocks: if that would evict a cached block not on probation,
+    move the deferred probation blocks still free and unchanged in front of it, so a state
+    nobody reused is evicted before anything vLLM keeps, whatever the pressure when it was freed."""
+    victim = queue.fake_free_list_head.next_free_block
+    for _ in range(n):
+        if victim is queue.fake_free_list_tail:
+            return
+        if victim.block_hash is not None and not _on_probation(state, victim):
+            break
+        victim = victim.next_free_block
+    else:
+        return
+    anchor = victim.prev_free_block  # uncached or on probation: never a deferred block
+    keys = state.probation_keys
+    blocks = [block for block, block_hash in state.deferred.values()
+              if block.block_hash == block_hash and block.ref_cnt == 0
+              and block.prev_free_block is not None
+              and (block.block_id not in keys or state.ledger.on_probation(*keys[block.block_id]))]
+    state.deferred.clear()
+    keys.clear()
+    if not blocks:
+        return
     for block in blocks:
         queue.remove(block)
         state.probation[block.block_id] = block.block_hash

@@ -1,0 +1,48 @@
+"""A CI-sized capacity sweep (``bench/placement_sweep.py``'s rules on small rows): the plugin
+hits at least as many prompt tokens as upstream, with no state mismatch and no leaked block.
+
+Small versions of the sweep's ``rag`` rows (shared system prompt and Zipf-popular passages,
+no preemption), one under pressure on each Mamba layout: the gated delta net with interior
+tail states (qwen3.5-0.8b) and Mamba2 with vLLM's prefill checkpoint (nemotron-h-8b). They
+guard the rules; the small rows tried so far (rag, 60-120 prompts, 262,144-1,000,000 tokens)
+do not reproduce the full row's loss on the code before deferred probation. Both policies run
+through vLLM's real scheduler (``replay.harness.run_replay``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vllm_hybrid_backends.replay.harness import ReplayConfig, run_replay
+from vllm_hybrid_backends.replay.policy import get_policy
+from vllm_hybrid_backends.replay.workloads import make_workload
+
+pytestmark = pytest.mark.slow
+
+ROWS = [
+    pytest.param("rag", {"num_prompts": 60, "corpus": 30}, "qwen3.5-0.8b", 131_072,
+                 id="rag-60-qwen3.5-0.8b-131072"),
+    pytest.param("rag", {"num_prompts": 60, "corpus": 30}, "nemotron-h-8b", 524_288,
+                 id="rag-60-nemotron-h-8b-524288"),
+]
+
+
+def _hit_tokens(trace: Any, config: ReplayConfig, policy: str) -> tuple[int, Any]:
+    run = run_replay(trace, config, get_policy(policy))
+    return sum(record.hit_tokens for record in run.requests.values()), run
+
+
+@pytest.mark.parametrize(("workload", "params", "shape", "cache_tokens"), ROWS)
+def test_plugin_hits_at_least_upstream_without_mismatch_or_leak(workload, params, shape,
+                                                                 cache_tokens):
+    config = ReplayConfig(model_shape=shape, cache_tokens=cache_tokens)
+    trace = make_workload(workload, block_size=config.layout().block_size, **params)
+    upstream, upstream_run = _hit_tokens(trace, config, "upstream")
+    plugin, plugin_run = _hit_tokens(trace, config, "plugin")
+    assert upstream > 0, "the row must have hits to lose"
+    assert plugin >= upstream, f"plugin hit {plugin} prompt tokens, upstream {upstream}"
+    for run in (upstream_run, plugin_run):
+        assert not run.mismatches, run.mismatches[:1]
+        assert run.blocks_leaked == 0
