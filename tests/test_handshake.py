@@ -26,7 +26,19 @@ def _no_handshake():
 
 def _report(pid, **states):
     every = {n for needed in handshake.WORKER_FEATURES.values() for n in needed}
-    return {"pid": pid, "patches": {name: states.get(name, patches.APPLIED) for name in every}}
+    return {"pid": pid, "patches": {name: states.get(name, patches.APPLIED) for name in every},
+            "forward_limits": {feature: "" for feature in handshake.WORKER_FEATURES}}
+
+
+def test_a_feature_is_off_where_a_workers_forward_cannot_give_the_states():
+    cannot = dict(_report(2), forward_limits={"gdn_interior_states": "no GDN forward here",
+                                              "mamba2_interior_states": ""})
+    support = handshake.combine([_report(1), cannot])
+    assert support.supports("mamba2_interior_states")
+    assert not support.supports("gdn_interior_states")
+    assert support.reasons["gdn_interior_states"] == "worker pid 2: no GDN forward here"
+    silent = {"pid": 3, "patches": _report(3)["patches"]}  # a report without forward limits
+    assert not handshake.combine([silent]).supports("mamba2_interior_states")
 
 
 def test_a_feature_is_on_only_when_every_worker_applied_its_patches():

@@ -172,11 +172,11 @@ def tail_state_paths(version: str | None) -> list[dict[str, Any]]:
             how = "inside the chunk (the forward stores them through hb_store_checkpoints)"
         elif not policy.interior_states:
             how = f"{fallback} ({align.INTERIOR_STATES_ENV}=0)"
-        elif kind not in coordinator.CPU_INTERIOR_KINDS:
+        elif kind not in coordinator.INTERIOR_KINDS:
             how = f"{fallback}: no forward of this kind stores states inside the chunk yet"
-        elif platform != "cpu":
-            how = (f"{fallback}: on {platform} the forward does not store states inside the "
-                   "chunk yet (vLLM-CPU only)")
+        elif expected.reasons.get(handshake.INTERIOR_FEATURE_OF_KIND[kind]):
+            how = (f"{fallback} on {platform}: "
+                   f"{expected.reasons[handshake.INTERIOR_FEATURE_OF_KIND[kind]]}")
         else:
             how = (f"{fallback}: not stored inside the chunk on vLLM {version} (verified on "
                    "0.32+, with every worker patch applying)")

@@ -1,14 +1,17 @@
 """Engine/worker handshake: the engine enables a policy that needs worker-side support only
 after every worker reported that support applied.
 
-The engine-side patches plan work that only a patched worker does (today: interior GDN states,
-blocks inside a prefill chunk that the worker's forward fills through ``hb_store_checkpoints``).
+The engine-side patches plan work that only a patched worker does (today: interior GDN and
+Mamba2 states, blocks inside a prefill chunk that the worker's forward fills through
+``hb_store_checkpoints``). Whether a feature works depends on the worker's patches and on its
+platform's forward (:func:`forward_limits`), so the worker reports both.
 Engine and workers are separate processes and each applies its own patches, so one side can be
 patched while the other is not (issue 12: the engine planned interior blocks, no worker wrote
 them, and a later request "hit" 896 tokens of garbage state).
 
 - :func:`worker_report` runs in every worker (``collective_rpc`` from the engine core, see
-  ``patches/patch_vllm_v1_engine_core.py``) and says which worker patches applied there.
+  ``patches/patch_vllm_v1_engine_core.py``) and says which worker patches applied there, and
+  what its forward cannot do.
 - :func:`establish` combines the reports into one :class:`WorkerSupport`: a feature is
   supported only when every worker has all the patches it needs applied. It is set once, at
   engine-core start, before the scheduler is built; the coordinator and scheduler read
@@ -41,6 +44,63 @@ WORKER_FEATURES: Mapping[str, tuple[str, ...]] = {
 }
 #: Mamba kind (vLLM's ``MambaAttentionBackendEnum`` name) -> the feature storing its interior states
 INTERIOR_FEATURE_OF_KIND = {"GDN_ATTN": "gdn_interior_states", "MAMBA2": "mamba2_interior_states"}
+
+SSD_MODULE = "vllm.model_executor.layers.mamba.ops.ssd_combined"
+
+
+def forward_limits(scan_patched: bool | None = None) -> dict[str, str]:
+    """Feature -> why this process's Mamba forward cannot give the states it stores ("" where
+    it can): the per-platform part of a feature, beside its patches. Run in a worker, after
+    its patches applied.
+
+    - gated delta net: only vLLM-CPU's forward is wrapped to store inside the chunk (on GPUs
+      the forward is FLA's chunked Triton kernel, not wrapped yet: chunk splits there).
+    - Mamba2: the SSD scan must return its chunk states: vLLM's Triton scan (CUDA, ROCm) does,
+      vLLM-CPU's does through ``patch_vllm_model_executor_layers_mamba_ops_ssd_combined``;
+      any other scan (e.g. one a platform plugin put in its place) is not trusted.
+
+    ``scan_patched``: count vLLM-CPU's scan as patched (doctor, whose process applies no
+    patch); default: whether it is.
+    """
+    limits = {feature: "" for feature in WORKER_FEATURES}
+    platform = _platform_name()
+    if platform != "cpu":
+        limits["gdn_interior_states"] = (
+            f"the gated-delta-net forward on {platform} is not wrapped to store states inside "
+            "the chunk (vLLM-CPU only)")
+    limits["mamba2_interior_states"] = _ssd_scan_limit(scan_patched)
+    return limits
+
+
+def _platform_name() -> str:
+    try:
+        from vllm.platforms import current_platform
+
+        return "cpu" if current_platform.is_cpu() else str(
+            getattr(current_platform, "device_name", None) or type(current_platform).__name__)
+    except Exception as exc:
+        return f"an unknown platform ({type(exc).__name__}: {exc})"
+
+
+def _ssd_scan_limit(scan_patched: bool | None) -> str:
+    import importlib
+
+    from .patches import patch_vllm_model_executor_layers_mamba_ops_ssd_combined as scan_patch
+
+    try:
+        scan = importlib.import_module(SSD_MODULE)._mamba_chunk_scan_combined_fwd
+    except Exception as exc:
+        return f"no Mamba2 SSD scan to read chunk states from ({type(exc).__name__}: {exc})"
+    if scan is scan_patch._mamba_chunk_scan_combined_fwd:
+        return ""  # vLLM-CPU's scan, patched to return chunk states
+    if scan_patch.is_cpu_scan(scan):
+        if scan_patched:
+            return ""
+        return "vLLM-CPU's SSD scan returns no chunk states (its patch is not applied)"
+    if getattr(scan, "__module__", None) == SSD_MODULE:
+        return ""  # vLLM's Triton scan: return_intermediate_states gives the chunk states
+    return (f"the Mamba2 SSD scan is {getattr(scan, '__module__', '?')}."
+            f"{getattr(scan, '__name__', '?')}, not vLLM's, so its chunk states are not trusted")
 
 
 @dataclass(frozen=True)
@@ -92,6 +152,8 @@ def expected_here() -> WorkerSupport:
     report = worker_report()
     report["patches"] = {name: APPLIED if state in (READY, APPLIED) else state
                          for name, state in report["patches"].items()}
+    scan_patch = "patch_vllm_model_executor_layers_mamba_ops_ssd_combined"
+    report["forward_limits"] = forward_limits(report["patches"].get(scan_patch) == APPLIED)
     return combine([report])
 
 
@@ -102,12 +164,13 @@ def worker_report(worker: object = None) -> dict[str, Any]:
     from . import patches
 
     states = {status.name: status.state for status in patches.statuses("worker")}
-    return {"pid": os.getpid(), "patches": states}
+    return {"pid": os.getpid(), "patches": states, "forward_limits": forward_limits()}
 
 
 def combine(reports: Sequence[Mapping[str, Any]]) -> WorkerSupport:
     """One :class:`WorkerSupport` from the workers' reports: a feature is on only when every
-    worker has every patch it needs applied."""
+    worker has every patch it needs applied and its forward can give the states
+    (:func:`forward_limits`; a report without them counts as unable)."""
     from .patches import APPLIED
 
     if not reports:
@@ -119,6 +182,10 @@ def combine(reports: Sequence[Mapping[str, Any]]) -> WorkerSupport:
                    f"{report.get('patches', {}).get(name, 'unknown')}"
                    for report in reports for name in needed
                    if report.get("patches", {}).get(name) != APPLIED]
+        lacking += [f"worker pid {report.get('pid', '?')}: "
+                    f"{report.get('forward_limits', {}).get(feature, 'no forward report')}"
+                    for report in reports
+                    if report.get("forward_limits", {}).get(feature, "no forward report")]
         if lacking:
             reasons[feature] = "; ".join(lacking)
         else:

@@ -194,8 +194,10 @@ def hb_store_checkpoints(
     - temporal state: ``sources[j][temporal_row[k]]`` (same trailing shape as a block) is stored,
       cast to the state's dtype.
 
-    A checkpoint may not start from a block the same call writes, and a block is written at most
-    once (the facade rejects both for host tensors).
+    A checkpoint whose ``dst_block[k]`` is negative is skipped (a planned boundary whose block
+    table column holds no block, found on the device without a host read). A checkpoint may not
+    start from a block the same call writes, and a block is written at most once (the facade
+    rejects both for host tensors).
     """
 
 

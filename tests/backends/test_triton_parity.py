@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import sys
-import zlib
 from collections.abc import Callable
 
 import pytest
@@ -23,6 +22,7 @@ from vllm_hybrid_backends import plugins, reference
 from vllm_hybrid_backends.backends.triton.backend import CUDA as cuda_backend
 from vllm_hybrid_backends.backends.triton.backend import ROCM as rocm_backend
 from vllm_hybrid_backends.hookspecs import STATE_OPERATION_HOOKS
+from vllm_hybrid_backends.testing.bits import assert_same_bits
 from vllm_hybrid_backends.types import CheckpointBatch, MambaStateTensor, StateKind
 
 BACKENDS = [pytest.param(cuda_backend, id="cuda-backend"), pytest.param(rocm_backend, id="rocm-backend")]
@@ -41,31 +41,7 @@ def _interpreted(interpreted_kernels):
     return interpreted_kernels
 
 
-@pytest.fixture
-def rng(request) -> torch.Generator:
-    """Fresh random inputs per case, reproducible from the case id."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
 # ---- shared helpers ---------------------------------------------------------------------------
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Bit-for-bit equality (NaN poison included) of a backend output and the reference's."""
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a = actual.contiguous().view(_INT_VIEW[actual.element_size()])
-    e = expected.contiguous().view(_INT_VIEW[expected.element_size()])
-    if not torch.equal(a, e):
-        where = (a != e).nonzero()
-        first = tuple(where[0].tolist())
-        raise AssertionError(
-            f"{what}: {where.shape[0]} element(s) differ; first at {first}: "
-            f"got {actual[first].item()!r}, reference {expected[first].item()!r}"
-        )
-
 
 def random_states(rng: torch.Generator, dtype: torch.dtype, specs: list[tuple[StateKind, tuple, int]],
                   num_blocks: int) -> list[MambaStateTensor]:

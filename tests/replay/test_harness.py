@@ -521,20 +521,12 @@ def test_tail_checkpoints_stored_inside_the_chunk_need_no_split(monkeypatch):
 
 @needs_mamba2_checkpoint
 def test_mamba2_tail_states_inside_the_chunk_beside_vllms_checkpoint(monkeypatch):
-    # As on vLLM-CPU (the replay models CUDA, where Mamba2 stores none): the KV-cache manager
-    # gives Mamba2 groups interior blocks beside vLLM's prefill checkpoint; the fake model
-    # stores them (and vLLM's checkpoint) and the oracle checks every state a hit resumes from.
+    # The replay models CUDA, where vLLM's Triton scan gives Mamba2's chunk states: the
+    # KV-cache manager gives Mamba2 groups interior blocks beside vLLM's prefill checkpoint
+    # (the harness's rule, nothing patched here); the fake model stores them (and vLLM's
+    # checkpoint) and the oracle checks every state a hit resumes from.
     from vllm_hybrid_backends import align
-    from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
 
-    stores_interior = coordinator.stores_interior
-
-    def mamba2_stores_interior(spec):
-        if spec.mamba_type.name == "MAMBA2" and not spec.num_speculative_blocks:
-            return True
-        return stores_interior(spec)
-
-    monkeypatch.setattr(coordinator, "stores_interior", mamba2_stores_interior)
     config = _tiny(shape=tiny_shape(("mamba", "attention"), kind="MAMBA2"),
                    max_num_batched_tokens=128)
     first_only = Trace("a", _edited_resend_trace().requests[:1])

@@ -155,7 +155,7 @@ def check_row_moves(states: Sequence[MambaStateTensor], moves: RowMoves, what: s
 def check_checkpoints(states: Sequence[MambaStateTensor], sources: Sequence[torch.Tensor],
                       checkpoints: CheckpointBatch) -> None:
     """Reject host checkpoint batches a store could not do exactly (see hb_store_checkpoints)."""
-    dst = checkpoints.dst_block.tolist()
+    dst = [block for block in checkpoints.dst_block.tolist() if block >= 0]  # < 0: skipped
     initial = checkpoints.initial_block.tolist()
     token_end, seq_start = checkpoints.token_end.tolist(), checkpoints.seq_start.tolist()
     temporal_rows = checkpoints.temporal_row.tolist()

@@ -6,11 +6,17 @@
   instead of splitting it (``patch_vllm_v1_core_kv_cache_coordinator``); vLLM's Mamba2 metadata
   describes one prefill checkpoint per row (``checkpoint_meta``), so the forward cannot see
   those blocks.
-- How: after vLLM's build, each prefill row's block-table row is read with
-  :func:`vllm_hybrid_backends.interior.checkpoints_of_rows` (as for the gated delta net); the
-  column of vLLM's own checkpoint is left to vLLM. Every such boundary ends a chunk of vLLM's
+- How: after vLLM's build, every aligned boundary strictly inside a prefill row's chunk (the
+  rule of :func:`vllm_hybrid_backends.interior.crossed_columns`, found from the host copies
+  of the query starts and sequence lengths) is a candidate, except the column of vLLM's own
+  checkpoint; its destination is gathered from the block table where the table lives (a device
+  table on GPUs: no host read), ``-1`` where the manager left the null block, which
+  ``hb_store_checkpoints`` skips. On a host table the skipped candidates are dropped at once.
+  Every such boundary ends a chunk of vLLM's
   SSD chunk table (chunks end at absolute multiples of the chunk size, and Mamba block sizes
-  are multiples of it), so the scan's chunk states hold the state there. The boundaries become
+  are multiples of it), so the scan's chunk states hold the state there: vLLM-CPU's scan
+  through ``patch_vllm_model_executor_layers_mamba_ops_ssd_combined``, vLLM's Triton scan
+  (CUDA, ROCm) natively. The boundaries become
   one :class:`~vllm_hybrid_backends.types.CheckpointBatch` per step (conv window ends in the
   prefill tokens, chunk rows, destination blocks), set on ``checkpoint_meta`` as
   :data:`INTERIOR_ATTR`; the Mamba2 checkpoint-store patch
@@ -19,8 +25,8 @@
   (every offset 0, so vLLM stores nothing), which makes ``MambaMixer2`` ask the scan for its
   chunk states and call the store. ``update_block_table`` (the other KV-cache groups of the same
   spec) re-gathers the destination blocks from that group's table: same rows and columns.
-  Only align mode without speculative decoding, with the block table on the CPU, is read (the
-  manager gives interior blocks to nothing else, and reading a device table would sync).
+  Only align mode without speculative decoding is planned (the manager gives interior blocks
+  to nothing else).
 - Upstream: none; vLLM plans one prefill checkpoint per row (``compute_mamba_prefill_checkpoints``).
 - vLLM versions: 0.32.x, 0.33.x (same builder, ``checkpoint_meta`` and chunk table).
 - Removal: when vLLM plans several prefill checkpoints per row itself.
@@ -43,6 +49,8 @@ VLLM_VERSIONS = ">=0.32.0,<0.34.0"
 CHECKPOINT_MODULE = "vllm.model_executor.layers.mamba.checkpoint"
 #: Attribute of a ``MambaPrefillCheckpointMetadata`` holding the step's :class:`InteriorPlan`.
 INTERIOR_ATTR = "hybrid_interior_plan"
+#: vLLM's null block: the KV-cache manager pads the columns a chunk skips with it.
+NULL_BLOCK_ID = 0
 
 _ORIGINALS: dict[str, Any] = {}
 
@@ -58,7 +66,7 @@ class InteriorPlan:
 
     def regather(self, block_table: Any) -> InteriorPlan:
         """The same plan for another KV-cache group, whose blocks are in ``block_table``."""
-        blocks = block_table[self.request_rows, self.block_cols].long()
+        blocks = _destinations(block_table, self.request_rows, self.block_cols)
         return dataclasses.replace(self, batch=dataclasses.replace(self.batch, dst_block=blocks))
 
 
@@ -95,9 +103,16 @@ def missing() -> list[str]:
 def plan_interior_states(block_table: Any, query_start_loc: Any, seq_lens: Any, first_row: int,
                          num_prefills: int, num_decode_tokens: int, block_size: int,
                          chunk_size: int, vllm_offsets: list[int] | None,
-                         compute_chunk_metadata: Any) -> InteriorPlan | None:
-    """The interior states of the prefill rows ``first_row ..`` (host tensors), or None.
+                         compute_chunk_metadata: Any,
+                         prune_on_host: bool | None = None) -> InteriorPlan | None:
+    """The interior states of the prefill rows ``first_row ..``, or None.
 
+    Every aligned boundary strictly inside a row's chunk is a candidate (the rule of
+    :func:`vllm_hybrid_backends.interior.crossed_columns`); its destination is gathered from
+    ``block_table`` where the table lives, and a column holding the null block gets ``-1``
+    (skipped by ``hb_store_checkpoints``), so a device table is never read on the host.
+    ``query_start_loc`` and ``seq_lens`` are host tensors. ``prune_on_host`` (default: the
+    table is on the CPU) drops the skipped candidates, and returns None when none is left.
     ``vllm_offsets`` are vLLM's own checkpoint offsets per prefill row (0: none), skipped here;
     ``compute_chunk_metadata`` is vLLM's ``_compute_chunk_metadata`` (the chunk table the scan
     runs over, so each boundary's chunk index is the one vLLM's scan returns its state at).
@@ -106,24 +121,42 @@ def plan_interior_states(block_table: Any, query_start_loc: Any, seq_lens: Any, 
 
     from ..types import CheckpointBatch
 
-    rows, cols, token_end, seq_start, blocks, ends = [], [], [], [], [], []
-    found = interior.checkpoints_of_rows(block_table, query_start_loc, seq_lens,
-                                         range(first_row, first_row + num_prefills), block_size)
-    for r, (start, points) in found.items():
-        p = r - first_row
+    width = block_table.shape[1]
+    rows, cols, token_end, seq_start, ends = [], [], [], [], []
+    for p in range(num_prefills):
+        r = first_row + p
         first_token = int(query_start_loc[r])
+        query_len = int(query_start_loc[r + 1]) - first_token
+        end = int(seq_lens[r])
+        start = end - query_len
         skip = vllm_offsets[p] if vllm_offsets else 0
-        for offset, block in points:
+        first, last = interior.crossed_columns(start, end, block_size)
+        for c in range(first, min(width, last)):
+            offset = (c + 1) * block_size - start
             if offset == skip:
                 continue
             rows.append(r)
-            cols.append(interior.column_of(start, offset, block_size))
+            cols.append(c)
             seq_start.append(first_token - num_decode_tokens)
             token_end.append(first_token - num_decode_tokens + offset)
-            blocks.append(block)
             ends.append((p, offset))
     if not rows:
         return None
+    device = block_table.device
+
+    def as_long(values: list[int]) -> Any:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    request_rows, block_cols = as_long(rows), as_long(cols)
+    blocks = _destinations(block_table, request_rows, block_cols)
+    if prune_on_host if prune_on_host is not None else device.type == "cpu":
+        kept = [k for k, block in enumerate(blocks.tolist()) if block >= 0]
+        if not kept:
+            return None
+        rows, cols = [rows[k] for k in kept], [cols[k] for k in kept]
+        seq_start, token_end = [seq_start[k] for k in kept], [token_end[k] for k in kept]
+        ends = [ends[k] for k in kept]
+        request_rows, block_cols, blocks = as_long(rows), as_long(cols), blocks[kept]
     query_start_p = query_start_loc[first_row: first_row + num_prefills + 1] - num_decode_tokens
     computed_p = seq_lens[first_row: first_row + num_prefills] - (query_start_p[1:] -
                                                                     query_start_p[:-1])
@@ -140,16 +173,20 @@ def plan_interior_states(block_table: Any, query_start_loc: Any, seq_lens: Any, 
                 f"(block size {block_size}, SSD chunk size {chunk_size}): the block size must be "
                 "a multiple of the chunk size")
         chunks.append(chunk_ending[(p, offset)])
-    device = block_table.device
-
-    def as_long(values: list[int]) -> Any:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
     batch = CheckpointBatch(token_end=as_long(token_end), seq_start=as_long(seq_start),
                             initial_block=torch.full((len(rows),), -1, dtype=torch.long,
                                                      device=device),
-                            dst_block=as_long(blocks), temporal_row=as_long(chunks))
-    return InteriorPlan(batch, as_long(rows), as_long(cols))
+                            dst_block=blocks, temporal_row=as_long(chunks))
+    return InteriorPlan(batch, request_rows, block_cols)
+
+
+def _destinations(block_table: Any, request_rows: Any, block_cols: Any) -> Any:
+    """``block_table[request_rows, block_cols]``, ``-1`` where that is the null block, computed
+    where the table lives."""
+    import torch
+
+    blocks = block_table[request_rows, block_cols].long()
+    return torch.where(blocks == NULL_BLOCK_ID, -1, blocks)
 
 
 def _empty_checkpoint(m: Any, first_row: int, num_prefills: int) -> Any:
@@ -169,7 +206,7 @@ def build(self: Any, common_prefix_len: int, common_attn_metadata: Any, *args: A
           **kwargs: Any) -> Any:
     metadata = _ORIGINALS["build"](self, common_prefix_len, common_attn_metadata, *args, **kwargs)
     m = common_attn_metadata
-    if (not metadata.num_prefills or m.block_table_tensor.device.type != "cpu"
+    if (not metadata.num_prefills
             or getattr(self.vllm_config.cache_config, "mamba_cache_mode", None) != "align"
             or self.kv_cache_spec.num_speculative_blocks or m.seq_lens_cpu_upper_bound is None):
         return metadata

@@ -40,9 +40,10 @@ finished request's cached prefix from its end, all groups together.
   only new state is its last one, every block it skips is padded with the null block, so keeping
   a tail checkpoint meant ending a chunk there (one more forward step, all layers, per
   checkpoint). Where the Mamba layers' forward stores states inside a chunk
-  (:func:`stores_interior`: vLLM-CPU's gated delta net with this plugin's worker patches, as
-  every worker reported them applied at engine start, :mod:`vllm_hybrid_backends.handshake`;
-  or the replay's fake model), ``get_num_blocks_to_allocate`` adds one block per admitted tail
+  (:func:`stores_interior`: the gated delta net on vLLM-CPU, Mamba2 on vLLM-CPU, CUDA and
+  ROCm, with this plugin's worker patches, as every worker reported them applied and its
+  forward able at engine start, :mod:`vllm_hybrid_backends.handshake`; or the replay's fake
+  model), ``get_num_blocks_to_allocate`` adds one block per admitted tail
   checkpoint strictly inside the chunk (:func:`vllm_hybrid_backends.align.interior_tail_checkpoints`)
   to vLLM's count and remembers the columns; ``allocate_new_blocks`` puts a fresh block where
   vLLM padded those columns with the null block. The worker finds them in its block table
@@ -629,44 +630,39 @@ def free(self: Any, request_id: str) -> None:
     _release_probation(state, self.block_pool, request_id, finished=True)
 
 
-#: Mamba layer kinds (vLLM's ``MambaAttentionBackendEnum`` names) whose forward on vLLM-CPU
-#: stores interior states through this plugin's worker patches: the gated delta net
-#: (``patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention``) and Mamba2, from the SSD
-#: scan's chunk states beside vLLM's own prefill checkpoint
-#: (``patch_vllm_v1_attention_backends_mamba2_attn``).
-CPU_INTERIOR_KINDS = frozenset({"GDN_ATTN", "MAMBA2"})
+#: Mamba layer kinds (vLLM's ``MambaAttentionBackendEnum`` names) whose forward can store
+#: interior states through this plugin's worker patches: the gated delta net (vLLM-CPU's
+#: forward, ``patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention``) and Mamba2, from
+#: the SSD scan's chunk states beside vLLM's own prefill checkpoint
+#: (``patch_vllm_v1_attention_backends_mamba2_attn``). Which platforms' forwards can is the
+#: workers' report (:func:`vllm_hybrid_backends.handshake.forward_limits`).
+INTERIOR_KINDS = frozenset({"GDN_ATTN", "MAMBA2"})
 #: Kinds whose groups carry vLLM's prefill checkpoint block and still take interior blocks.
 _INTERIOR_BESIDE_PREFILL_CHECKPOINT = frozenset({"MAMBA2"})
-#: Set by the replay harness, whose fake model stores interior states for every kind without
-#: vLLM's prefill checkpoint; None means "decide from the platform".
+#: Set by the replay harness, whose fake model stores interior states for every kind (beside
+#: vLLM's prefill checkpoint only for the kinds above, as a worker does); None means "decide
+#: from the workers' report".
 interior_override: bool | None = None
-#: The CPU GDN forward's interior stores are verified on vLLM 0.32+ only (on vllm-cpu 0.30 the
-#: engine planned interior blocks that no hb_store_checkpoints call filled): elsewhere the
-#: scheduler splits chunks for tail states instead.
+#: The interior stores are verified on vLLM 0.32+ only (on vllm-cpu 0.30 the engine planned
+#: interior blocks that no hb_store_checkpoints call filled): elsewhere the scheduler splits
+#: chunks for tail states instead.
 _INTERIOR_VERIFIED = version_allows(">=0.32")
 
 
 def stores_interior(spec: Any, support: handshake.WorkerSupport | None = None) -> bool:
     """Whether the forward of this Mamba group's layers stores states inside a prefill chunk;
-    ``support``: what the workers reported (default: this engine's handshake)."""
+    ``support``: what the workers reported, patches and platform (default: this engine's
+    handshake)."""
     if getattr(spec, "mamba_cache_mode", None) != "align" or spec.num_speculative_blocks:
         return False
     kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
     if getattr(spec, "num_prefill_checkpoint_blocks", 0) and (
-            interior_override is not None or kind not in _INTERIOR_BESIDE_PREFILL_CHECKPOINT):
+            kind not in _INTERIOR_BESIDE_PREFILL_CHECKPOINT):
         return False
     if interior_override is not None:
         return interior_override
-    return (kind in CPU_INTERIOR_KINDS and _INTERIOR_VERIFIED and _cpu_platform()
+    return (kind in INTERIOR_KINDS and _INTERIOR_VERIFIED
             and _workers_store_interior(kind, support))
-
-
-def _cpu_platform() -> bool:
-    try:
-        from vllm.platforms import current_platform
-        return bool(current_platform.is_cpu())
-    except Exception:
-        return False
 
 
 def _workers_store_interior(kind: str, support: handshake.WorkerSupport | None) -> bool:

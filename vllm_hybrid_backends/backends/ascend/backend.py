@@ -290,6 +290,8 @@ def store_checkpoints(states: Sequence[MambaStateTensor], sources: Sequence[torc
         reference.store_checkpoints(states, sources, checkpoints)
         return
     fields = {name: _host(getattr(checkpoints, name)) for name in names}
+    kept = fields["dst_block"] >= 0  # negative destinations are skipped
+    fields = {name: values[kept] for name, values in fields.items()}
     if not states or fields["dst_block"].size == 0:
         return
     run = _Executor(states, path)

@@ -233,7 +233,8 @@ def _checkpoint_kernel(
         flat_dst = dst_words + tl.multiple_of(dst_at + start, VEC_DST)
         remaining = tl.multiple_of(channels - start, VEC_MASK)
         lanes = tl.arange(0, FLAT_BLOCK)
-        in_block = lanes < remaining
+        # a negative destination is a skipped checkpoint (compared as a tensor, see below)
+        in_block = (lanes < remaining) & (tl.full(lanes.shape, 0, tl.int64) + dst_block >= 0)
         bits = tl.load(flat_src + lanes, mask=in_block)
         tl.store(flat_dst + lanes, _convert_bits(bits, SRC_KIND, DST_KIND), mask=in_block)
     else:
@@ -245,7 +246,7 @@ def _checkpoint_kernel(
         chan = tl.load(row + _DST_CHAN * num_segments)
         t = tl.arange(0, WIN_T).to(tl.int64)[:, None]
         c = tile * WIN_C + tl.arange(0, WIN_C).to(tl.int64)[None, :]
-        valid = (t < length) & (c < channels)
+        valid = (t < length) & (c < channels) & (tl.full(t.shape, 0, tl.int64) + dst_block >= 0)
         token = end - length + t  # row of the token-major input this position holds
         from_input = valid & (token >= begin)
         x_offs = token * tl.load(row + _SRC_BLOCK * num_segments) + c * tl.load(row + _SRC_CHAN * num_segments)
