@@ -94,10 +94,10 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     assert PLOT_INSTALL_HINT in "pip install 'vllm-hybrid-backends[plot]'"
 
 
-def test_timing_repeats_report_each_policys_lowest_median_step(monkeypatch):
+def test_timing_repeats_report_the_median_of_interleaved_runs(monkeypatch):
     from vllm_hybrid_backends.replay import report as report_module
 
-    medians = iter([900.0, 500.0, 700.0, 800.0, 300.0, 600.0])  # upstream, plugin, repeats
+    medians = iter([900.0, 500.0, 700.0, 800.0, 300.0, 600.0])  # upstream, plugin, interleaved
     real_run = report_module.run_replay
 
     def run(trace, config, policy, **kwargs):
@@ -111,8 +111,10 @@ def test_timing_repeats_report_each_policys_lowest_median_step(monkeypatch):
                           max_num_batched_tokens=16, max_num_seqs=4)
     result = report_module.compare_policies(_tiny_trace(), config, ["upstream", "plugin"],
                                             timing_repeats=3)
-    assert result.policies["upstream"].sched_step_us_median == 300.0
-    assert result.policies["plugin"].sched_step_us_median == 500.0
+    assert result.policies["upstream"].sched_step_us_runs == [900.0, 700.0, 300.0]
+    assert result.policies["plugin"].sched_step_us_runs == [500.0, 800.0, 600.0]
+    assert result.policies["upstream"].sched_step_us_median == 700.0
+    assert result.policies["plugin"].sched_step_us_median == 600.0
     with pytest.raises(ValueError, match="timing_repeats=0: allowed values are integers >= 1"):
         report_module.compare_policies(_tiny_trace(), config, ["upstream"], timing_repeats=0)
 

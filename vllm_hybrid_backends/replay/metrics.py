@@ -133,6 +133,9 @@ class PolicyMetrics:
     mismatch_examples: list[str] = field(default_factory=list)
     #: The hit granularity it ran at: ``--prefix-match-unit``, else the block size.
     prefix_match_unit: int = 0
+    #: Median scheduler step of each interleaved replay (``--timing-repeats``), in run order;
+    #: ``sched_step_us_median`` is their median.
+    sched_step_us_runs: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in vars(self).items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -54,13 +55,21 @@ class Report:
         }
 
 
+def _step_time(runs: Sequence[float], median: float) -> str:
+    """The median step time, with the range of the repeats' medians when there are several."""
+    if len(runs) < 2:
+        return f"{median:.0f}"
+    return f"{median:.0f} ({min(runs):.0f}-{max(runs):.0f})"
+
+
 def compare_policies(trace: Trace, config: ReplayConfig, policies: Sequence[str],
                      progress: Any = None, timing_repeats: int = 1) -> Report:
     """For each policy: the attention-only bound run, then the hybrid run; combine.
 
     ``timing_repeats`` > 1 replays the hybrid runs that many times in all, the policies
-    interleaved, and reports each policy's lowest median step time (the replays are
-    deterministic; only the clock differs), so a step-time ratio is not one run's noise.
+    interleaved, and reports the median of each policy's per-replay median step times (the
+    replays are deterministic; only the clock differs), so a step-time ratio is not one run's
+    noise; the per-replay medians are kept in ``sched_step_us_runs``.
     """
     if timing_repeats < 1:
         raise ValueError(f"timing_repeats={timing_repeats}: allowed values are integers >= 1")
@@ -75,15 +84,16 @@ def compare_policies(trace: Trace, config: ReplayConfig, policies: Sequence[str]
                             hybrid.pool_bytes)
         report.policies[name] = replace(policy_metrics(trace, hybrid, bound),
                                         prefix_match_unit=config.prefix_match_unit
-                                        or hybrid.block_size)
+                                        or hybrid.block_size,
+                                        sched_step_us_runs=[hybrid.sched_step_us_median])
     assert report is not None, "no policy given"
     for _ in range(timing_repeats - 1):
         for name in policies:
             again = run_replay(trace, config, get_policy(name), progress=progress)
-            metrics = report.policies[name]
-            if again.sched_step_us_median < metrics.sched_step_us_median:
-                report.policies[name] = replace(
-                    metrics, sched_step_us_median=again.sched_step_us_median)
+            report.policies[name].sched_step_us_runs.append(again.sched_step_us_median)
+    for name, metrics in report.policies.items():
+        report.policies[name] = replace(
+            metrics, sched_step_us_median=statistics.median(metrics.sched_step_us_runs))
     return report
 
 
@@ -162,7 +172,8 @@ def render_table(report: Report) -> str:
     row("  of which prompt tokens", [f"{m[n].recomputed_prompt_tokens:,}" for n in names])
     row("state mismatches (checks)",
         [f"{m[n].state_mismatches} ({m[n].state_checks:,})" for n in names])
-    row("median scheduler step (us)", [f"{m[n].sched_step_us_median:.0f}" for n in names])
+    row("median scheduler step (us)", [_step_time(m[n].sched_step_us_runs, m[n].sched_step_us_median)
+                                       for n in names])
     lines.append("missed reusable prompt tokens, by reason:")
     for reason in MISS_REASONS:
         row(f"  {reason.replace('_', ' ')}", [f"{m[n].miss_reasons[reason]:,}" for n in names])
