@@ -296,7 +296,17 @@ def test_tail_checkpoints_are_off_for_models_with_internal_prefill_checkpoints()
     assert align.policy_for_model(policy, internal_prefill_checkpoints=False) == policy
     mamba2 = align.policy_for_model(policy, internal_prefill_checkpoints=True)
     assert mamba2.tail_checkpoints == 0
-    assert (mamba2.decode_checkpoints, mamba2.mamba_grid, mamba2.suffix_eviction) == (True, True, True)
+    assert (mamba2.decode_checkpoints, mamba2.mamba_grid, mamba2.suffix_eviction) == (None, True, True)
+
+
+@pytest.mark.parametrize("setting, kinds, expected", [
+    (None, frozenset({"GDN_ATTN"}), True), (None, frozenset({"MAMBA2"}), False),
+    (None, frozenset({"SHORT_CONV", "MAMBA2"}), False), (True, frozenset({"MAMBA2"}), True),
+    (False, frozenset({"GDN_ATTN"}), False), (None, None, None)])
+def test_decode_states_left_to_the_model_follow_its_mamba_kinds(setting, kinds, expected):
+    policy = align.AlignPolicy(decode_checkpoints=setting)
+    resolved = align.policy_for_model(policy, internal_prefill_checkpoints=False, mamba_kinds=kinds)
+    assert resolved.decode_checkpoints is expected
 
 
 @pytest.mark.parametrize("flags, expected", [((), False), ((True,), True), ((True, False), False)])

@@ -57,6 +57,11 @@ DECODE_MAX_STEPS_ENV = "VLLM_HYBRID_DECODE_CHECKPOINT_MAX_STEPS"
 DEFAULT_TAIL_CHECKPOINTS = 4
 #: Kinds of extra state: ``tail-<blocks before the last prompt boundary>`` and decode.
 TAIL, DECODE = "tail", "decode"
+#: Mamba layer kinds whose decode-end states are off unless ``VLLM_HYBRID_DECODE_CHECKPOINTS``
+#: is set: Mamba2's per-token decode update drifts from its chunked scan well past prefill-path
+#: noise (0.03-0.11 nats against 0.000, docs/decode_states.md); the gated delta net's stays
+#: within it.
+DECODE_STATES_OFF_BY_DEFAULT = frozenset({"MAMBA2"})
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,8 @@ class AlignPolicy:
     """What the plugin changes about align-mode scheduling and retention."""
 
     tail_checkpoints: int = DEFAULT_TAIL_CHECKPOINTS
-    decode_checkpoints: bool = True
+    #: None: by Mamba kind (:data:`DECODE_STATES_OFF_BY_DEFAULT`, see :func:`policy_for_model`)
+    decode_checkpoints: bool | None = None
     mamba_grid: bool = True
     suffix_eviction: bool = True
     adaptive_retention: bool = True
@@ -86,6 +92,12 @@ def _flag(name: str, default: bool) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{name}={value!r}: allowed values are 1/0, true/false, yes/no, on/off")
+
+
+def _optional_flag(name: str) -> bool | None:
+    """A flag that is None when unset (the default then depends on the model)."""
+    value = os.environ.get(name)
+    return None if value is None or value.strip() == "" else _flag(name, False)
 
 
 def current_policy() -> AlignPolicy:
@@ -111,7 +123,7 @@ def current_policy() -> AlignPolicy:
     return AlignPolicy(
         decode_max_steps=max_steps,
         tail_checkpoints=tail,
-        decode_checkpoints=_flag(DECODE_CHECKPOINTS_ENV, True),
+        decode_checkpoints=_optional_flag(DECODE_CHECKPOINTS_ENV),
         mamba_grid=_flag(MAMBA_GRID_ENV, True),
         suffix_eviction=_flag(SUFFIX_EVICTION_ENV, True),
         adaptive_retention=_flag(ADAPTIVE_RETENTION_ENV, True),
@@ -135,7 +147,8 @@ def refresh_policy() -> AlignPolicy:
 
 
 def policy_for_model(policy: AlignPolicy, *, internal_prefill_checkpoints: bool,
-                     interior_states: bool = False) -> AlignPolicy:
+                     interior_states: bool = False,
+                     mamba_kinds: frozenset[str] | None = None) -> AlignPolicy:
     """``policy`` as it applies to one model: the scheduler and the cache must agree on it.
 
     Where the forward stores tail states inside the chunk (``interior_states``) they cost no
@@ -144,7 +157,12 @@ def policy_for_model(policy: AlignPolicy, *, internal_prefill_checkpoints: bool,
     the Mamba layers export the prompt checkpoint from inside the forward (Mamba2: vLLM's
     ``num_prefill_checkpoint_blocks``): there they cost chunk splits, and measured a lower hit
     rate (replay, nemotron-h-8b agentic: 0.125 against upstream's 0.228).
+    Decode states left to the model (``decode_checkpoints`` None) are on unless one of
+    ``mamba_kinds`` (vLLM's ``MambaAttentionBackendEnum`` names) is in
+    :data:`DECODE_STATES_OFF_BY_DEFAULT`.
     """
+    if policy.decode_checkpoints is None and mamba_kinds is not None:
+        policy = replace(policy, decode_checkpoints=not mamba_kinds & DECODE_STATES_OFF_BY_DEFAULT)
     if interior_states and policy.interior_states:
         return policy if policy.dense_tails else replace(policy, dense_tails=True)
     if internal_prefill_checkpoints and policy.tail_checkpoints:
@@ -199,7 +217,7 @@ def retained_boundaries_by_kind(
              tail_checkpoints_by_kind(num_prompt_tokens, block_size, policy.tail_checkpoints,
                                       policy.dense_tails).items()}
     decoded = decode_boundary(num_prompt_tokens, num_tokens, block_size)
-    if (policy.decode_checkpoints and decoded is not None
+    if (policy.decode_checkpoints is not False and decoded is not None
             and (not policy.decode_max_steps
                  or decoded - num_prompt_tokens <= policy.decode_max_steps)):
         kinds[DECODE] = (decoded,)

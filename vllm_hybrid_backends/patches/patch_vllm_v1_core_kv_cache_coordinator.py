@@ -142,6 +142,8 @@ class CoordinatorState:
     mamba_per_block_size: list[Any] | None = None
     interior_managers: list[tuple[int, Any]] | None = None
     internal_prefill_checkpoints: bool | None = None
+    #: The Mamba groups' layer kinds (``MambaAttentionBackendEnum`` names).
+    mamba_kinds: frozenset[str] | None = None
     #: Whether the block pool's evictions are counted (``VLLM_HYBRID_STATS``).
     counts_evictions: bool = False
 
@@ -446,6 +448,16 @@ def _internal_prefill_checkpoints(coordinator: Any) -> bool:
     return known
 
 
+def _mamba_kinds(coordinator: Any) -> frozenset[str]:
+    """The layer kinds of the coordinator's Mamba groups, found once."""
+    state = state_of(coordinator)
+    if state.mamba_kinds is None:
+        state.mamba_kinds = frozenset(
+            getattr(m.kv_cache_spec.mamba_type, "name", str(m.kv_cache_spec.mamba_type))
+            for m in _mamba_managers(coordinator))
+    return state.mamba_kinds
+
+
 def _cache_blocks_of(cls_name: str) -> Any:
     """``cache_blocks`` wrapped for one coordinator class that defines its own (0.30's
     ``HybridKVCacheCoordinator`` overrides the base: a wrapper on the base alone is bypassed)."""
@@ -476,7 +488,7 @@ def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: i
         return
     policy = align.policy_for_model(
         align.active_policy(), internal_prefill_checkpoints=_internal_prefill_checkpoints(self),
-        interior_states=bool(_interior_managers(self)))
+        interior_states=bool(_interior_managers(self)), mamba_kinds=_mamba_kinds(self))
     memo: dict[Any, Any] = {}
     before = managers[0].num_cached_block.get(request.request_id, 0) if stats.enabled else 0
     token = _caching_for.set((request, policy, memo, state_of(self).ledger))
