@@ -829,6 +829,12 @@ def _evict_first_among_cached(state: CoordinatorState, queue: Any, blocks: list[
                     or any(following is b for b in blocks):
                 break
             anchor = following
+    _put_on_probation_after(state, queue, anchor, blocks)
+
+
+def _put_on_probation_after(state: CoordinatorState, queue: Any, anchor: Any,
+                            blocks: list[Any]) -> None:
+    """Move free ``blocks`` right behind ``anchor`` in the free queue, on probation, in order."""
     for block in blocks:
         queue.remove(block)
         state.probation[block.block_id] = block.block_hash
@@ -879,16 +885,7 @@ def _place_deferred(state: CoordinatorState, queue: Any, n: int) -> None:
     keys.clear()
     if not blocks:
         return
-    for block in blocks:
-        queue.remove(block)
-        state.probation[block.block_id] = block.block_hash
-    following = anchor.next_free_block
-    for block in blocks:
-        anchor.next_free_block, block.prev_free_block = block, anchor
-        anchor = block
-    anchor.next_free_block, following.prev_free_block = following, anchor
-    queue.num_free_blocks += len(blocks)
-    state.probation_last = anchor
+    _put_on_probation_after(state, queue, anchor, blocks)
 
 
 def _coordinator_classes(module: Any) -> list[type]:
