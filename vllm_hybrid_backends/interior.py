@@ -21,8 +21,12 @@ the block table alone, so the engine and the workers need no other channel:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
+
+#: vLLM's null block: the KV-cache manager pads the columns a chunk skips with it.
+NULL_BLOCK_ID = 0
 
 
 def planned_columns(positions: Sequence[int], block_size: int) -> list[int]:
@@ -85,3 +89,29 @@ def checkpoints_of_rows(block_table: Any, query_start_loc: Any, seq_lens: Any, r
         if points:
             found[row] = (start, points)
     return found
+
+
+def destinations(block_table: Any, request_rows: Any, block_cols: Any) -> Any:
+    """``block_table[request_rows, block_cols]``, ``-1`` where that is the null block (a
+    candidate the engine gave no block; ``hb_store_checkpoints`` skips it), computed where the
+    table lives: no host read of a device table."""
+    import torch
+
+    blocks = block_table[request_rows, block_cols].long()
+    return torch.where(blocks == NULL_BLOCK_ID, -1, blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class InteriorPlan:
+    """The interior states of one step on the device path: what to store
+    (a :class:`~vllm_hybrid_backends.types.CheckpointBatch`) and where each destination came
+    from in the block table (``block_table[request_rows[k], block_cols[k]]``)."""
+
+    batch: Any  # CheckpointBatch
+    request_rows: Any
+    block_cols: Any
+
+    def regather(self, block_table: Any) -> InteriorPlan:
+        """The same plan for another KV-cache group, whose blocks are in ``block_table``."""
+        blocks = destinations(block_table, self.request_rows, self.block_cols)
+        return dataclasses.replace(self, batch=dataclasses.replace(self.batch, dst_block=blocks))

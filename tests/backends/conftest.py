@@ -106,3 +106,91 @@ def vllm_triton_ssd_scan(tmp_path):
         return torch.load(result)
 
     return scan
+
+
+_FLA_CHUNK_RUNNER = """
+import builtins
+import importlib
+import sys
+
+import torch
+
+import vllm.triton_utils as triton_utils
+import triton
+import triton.language as tl
+from vllm.platforms import current_platform
+
+FLA = "vllm.third_party.flash_linear_attention"
+
+class FirstConfig:  # as in the SSD runner: no driver to benchmark autotune configs with
+    def __getattr__(self, name):
+        return getattr(triton, name)
+
+    @staticmethod
+    def autotune(configs, *args, **kwargs):
+        return triton.autotune(configs[:1], *args, **kwargs)
+
+triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = FirstConfig(), tl, True
+type(current_platform).is_cpu = lambda self: False
+for name in [m for m in sys.modules if m.startswith(FLA)]:
+    del sys.modules[name]
+chunk = importlib.import_module(FLA + ".ops.chunk")
+
+# Two constructs of FLA's kernels the interpreter cannot run as written:
+# 1. op.py binds tl.exp / tl.exp2 / tl.log ... to module names (``exp = tl.exp``); the
+#    interpreter swaps its builtins in as attributes of ``triton.language`` while a kernel
+#    runs, so a name bound before still holds the compiled-mode builtin ("Did you forget to
+#    add @triton.jit ?"). Such names are rebound to look the builtin up at call time.
+# 2. chunk_delta_h's kernel calls ``i_t.to(tl.int64)`` on its ``for i_t in range(NT)`` index,
+#    a Python int under the interpreter ("'int' object has no attribute 'to'"); that module's
+#    ``range`` yields interpreter scalars instead.
+def looked_up(name):
+    return lambda *args, **kwargs: getattr(tl, name)(*args, **kwargs)
+
+for name, module in list(sys.modules.items()):
+    if name.startswith(FLA):
+        for attr, value in list(vars(module).items()):
+            if tl.core.is_builtin(value):
+                setattr(module, attr, looked_up(value.__name__))
+
+def scalar_range(*args):
+    for i in builtins.range(*(int(a) for a in args)):
+        yield tl.full((), i, tl.int32)
+
+sys.modules[FLA + ".ops.chunk_delta_h"].range = scalar_range
+
+from vllm_hybrid_backends.patches import (
+    patch_vllm_third_party_flash_linear_attention_ops_chunk as wrap,
+)
+wrap.apply()
+assert wrap.is_applied(), "the FLA wrap did not apply"
+given = torch.load(sys.argv[1])
+with wrap.capturing_chunk_states() as captured:
+    _, out, _, final, *_ = chunk.chunk_gated_delta_rule_fwd(**given["batch"])
+prefix_final = chunk.chunk_gated_delta_rule_fwd(**given["prefixes"])[3]
+torch.save({"h": captured, "out": out, "final": final, "prefix_final": prefix_final}, sys.argv[2])
+"""
+
+
+@pytest.fixture
+def vllm_fla_chunk(tmp_path):
+    """``run(batch, prefixes)``: vLLM's own FLA ``chunk_gated_delta_rule_fwd`` (the Triton GDN
+    prefill CUDA and ROCm run) under ``TRITON_INTERPRET=1`` on CPU tensors, in a child process,
+    with the plugin's FLA wrap applied there: ``{"h": [captured per-chunk states], "out",
+    "final", "prefix_final"}`` (the last from a second call over ``prefixes``)."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    import torch
+
+    def run(batch: dict[str, Any], prefixes: dict[str, Any]) -> Any:
+        given, result = tmp_path / "fla_in.pt", tmp_path / "fla_out.pt"
+        torch.save({"batch": batch, "prefixes": prefixes}, given)
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        done = subprocess.run([sys.executable, "-c", _FLA_CHUNK_RUNNER, str(given), str(result)],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"vLLM's FLA chunk kernel failed:\n{done.stderr[-3000:]}"
+        return torch.load(result)
+
+    return run

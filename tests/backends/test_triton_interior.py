@@ -300,3 +300,120 @@ def test_mamba2_interior_states_from_vllms_triton_scan_equal_a_prefix_forward(
     untouched = [b for b in range(NUM_BLOCKS) if b not in written]
     assert torch.equal(conv[untouched], before[0][untouched])
     assert torch.equal(ssm[untouched], before[1][untouched])
+
+
+# ---- gated delta net on the device path: vLLM's FLA chunk kernel, a device-style plan ----------
+
+from vllm_hybrid_backends.patches import (  # noqa: E402
+    patch_vllm_model_executor_layers_mamba_gdn_qwen_gdn_linear_attn as gdn_layer,
+)
+from vllm_hybrid_backends.patches import patch_vllm_v1_attention_backends_gdn_attn as gdn_plan  # noqa: E402
+from vllm_hybrid_backends.testing.gdn_reference import gated_delta_rule_state  # noqa: E402
+
+GDN_BLOCK, GDN_HEADS, GDN_K, GDN_V, GDN_CONV = 128, 2, 64, 64, 8
+FP32_TOL = dict(rtol=1e-4, atol=2e-5)  # fp32 chunked (FLA) vs token by token (reference)
+
+
+def _gdn_step(pick):
+    """A decode, then three prefill rows (decode first, as vLLM orders them): [0, 100) fresh
+    with no boundary inside, [0, 300) fresh with 128 and 256 inside, [128, 408) from a state
+    with 256 (block) and 384 (null: the manager gave it no block) inside."""
+    query_start = torch.tensor([0, 1, 101, 401, 681])
+    seq_lens = torch.tensor([500, 100, 300, 408])
+    table = torch.zeros(4, 5, dtype=torch.int32)
+    blocks = pick.sample(range(1, NUM_BLOCKS), 3)
+    table[2, [0, 1]] = torch.tensor(blocks[:2], dtype=torch.int32)
+    table[3, 1] = blocks[2]
+    return query_start, seq_lens, table
+
+
+def test_gdn_device_plan_finds_each_boundarys_chunk_state_and_block(rng):
+    pick = random.Random(int(torch.randint(1 << 30, (1,), generator=rng)))
+    query_start, seq_lens, table = _gdn_step(pick)
+    plan = gdn_plan.plan_device_states(table, query_start, seq_lens, 1, 3, GDN_BLOCK)
+    assert plan is not None
+    # row 1 has ceil(100/64) = 2 chunks, row 2 ceil(300/64) = 5: its boundaries are chunks 2+2,
+    # 2+4; row 3's (from token 128) are chunks 7+2, 7+4
+    assert plan.batch.temporal_row.tolist() == [4, 6, 9, 11]
+    assert plan.batch.token_end.tolist() == [101 + 128, 101 + 256, 401 + 128, 401 + 256]
+    assert plan.batch.seq_start.tolist() == [101, 101, 401, 401]
+    assert plan.batch.dst_block.tolist() == [int(table[2, 0]), int(table[2, 1]), int(table[3, 1]), -1]
+    other = torch.zeros_like(table)
+    other[2, 0] = 7
+    assert plan.regather(other).batch.dst_block.tolist() == [7, -1, -1, -1]
+    assert gdn_plan.plan_device_states(table, query_start, seq_lens, 1, 1, GDN_BLOCK) is None
+    with pytest.raises(ValueError, match=r"offset 224 of request row 2 \(chunk from token 32\) is not a multiple of FLA's chunk size 64"):
+        gdn_plan.plan_device_states(table, query_start, torch.tensor([500, 100, 332, 408]), 1, 2,
+                                    GDN_BLOCK)
+
+
+@pytest.mark.slow  # vLLM's FLA kernels run interpreted in a child process (~3 min)
+def test_gdn_interior_states_from_vllms_fla_chunk_kernel_equal_a_prefix_forward(
+        forced_triton, vllm_fla_chunk, monkeypatch, rng):
+    """As on a GPU: vLLM's FLA chunked kernel (fp32) runs once over a varlen batch, the wrap
+    keeps its per-chunk states, the plan gathers destinations without a host read (``-1`` at
+    the null block), the Triton backend stores them (both conv layouts). Each stored state
+    equals vLLM's kernel over that prefix alone (bit for bit) and the token-by-token
+    recurrence (fp32 tolerance), each conv window the prefix's last inputs; nothing else in
+    the caches changes."""
+    pick = random.Random(int(torch.randint(1 << 30, (1,), generator=rng)))
+    query_start, seq_lens, table = _gdn_step(pick)
+    plan = gdn_plan.plan_device_states(table, query_start, seq_lens, 1, 3, GDN_BLOCK)
+
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=rng)))
+    tokens = 680  # the prefill rows; the decode token is not FLA's
+    k = torch.nn.functional.normalize(torch.randn(1, tokens, GDN_HEADS, GDN_K, generator=g), dim=-1)
+    inputs = dict(q=torch.randn(1, tokens, GDN_HEADS, GDN_K, generator=g), k=k,
+                  v=torch.randn(1, tokens, GDN_HEADS, GDN_V, generator=g),
+                  g=torch.nn.functional.logsigmoid(torch.randn(1, tokens, GDN_HEADS, generator=g)) * 0.2,
+                  beta=torch.rand(1, tokens, GDN_HEADS, generator=g))
+    initial = torch.randn(3, GDN_HEADS, GDN_V, GDN_K, generator=g) * 0.1
+    initial[:2] = 0  # rows 1 and 2 are fresh
+    prefill_start = [0, 100, 400]
+    stored = [(1, 128), (1, 256), (2, 128)]  # (prefill row, offset) with a block
+    pieces = [torch.cat([v[:, prefill_start[p]: prefill_start[p] + o] for p, o in stored], 1)
+              for v in inputs.values()]
+    ends = torch.tensor([0, *torch.tensor([o for _, o in stored]).cumsum(0).tolist()], dtype=torch.int32)
+    ran = vllm_fla_chunk(
+        dict(inputs, scale=GDN_K ** -0.5, initial_state=initial, output_final_state=True,
+             cu_seqlens=torch.tensor([0, 100, 400, 680], dtype=torch.int32)),
+        dict(zip(inputs, pieces), scale=GDN_K ** -0.5,
+             initial_state=initial[[p for p, _ in stored]], output_final_state=True, cu_seqlens=ends))
+    assert len(ran["h"]) == 1, "the wrap did not see exactly one chunk recurrence"
+    h = ran["h"][0]
+    assert h.shape == (1, 2 + 5 + 5, GDN_HEADS, GDN_V, GDN_K)
+
+    mixed_qkv = torch.randn(681, GDN_CONV, generator=g)  # the step's pre-conv input, decode first
+    for dim_first in (False, True):
+        monkeypatch.setattr(layer_utils, "is_conv_state_dim_first", lambda d=dim_first: d)
+        _store_and_check(forced_triton, plan, ran, inputs, initial, stored, prefill_start,
+                         mixed_qkv, dim_first, g)
+
+
+def _store_and_check(forced_triton, plan, ran, inputs, initial, stored, prefill_start, mixed_qkv,
+                     dim_first, g):
+    h = ran["h"][0]
+    conv = torch.randn(NUM_BLOCKS, *((GDN_CONV, WIDTH - 1) if dim_first else (WIDTH - 1, GDN_CONV)),
+                       generator=g)
+    ssm = torch.randn(NUM_BLOCKS, GDN_HEADS, GDN_V, GDN_K, generator=g)
+    written = [b for b in plan.batch.dst_block.tolist() if b >= 0]
+    conv[written] = float("nan")
+    ssm[written] = float("nan")
+    before = (conv.clone(), ssm.clone())
+    layer = types.SimpleNamespace(kv_cache=(conv, ssm), prefix="model.layers.0.linear_attn")
+    forced_triton(lambda: gdn_layer.store_interior_states(layer, plan, mixed_qkv, h))
+
+    for i, ((p, offset), block) in enumerate(zip(stored, written)):
+        first = prefill_start[p]
+        assert_same_bits(ssm[block], ran["prefix_final"][i],
+                         f"state of prefill row {p} at {offset} (conv dim first: {dim_first})")
+        want = gated_delta_rule_state(*(v[0, first: first + offset] for v in
+                                        (inputs["k"], inputs["v"], inputs["g"], inputs["beta"])),
+                                      initial_state=initial[p])
+        torch.testing.assert_close(ssm[block], want, **FP32_TOL,
+                                   msg=lambda m, p=p, o=offset: f"state of row {p} at {o}: {m}")
+        window = mixed_qkv[1 + first + offset - (WIDTH - 1): 1 + first + offset]
+        assert torch.equal(conv[block], window.T if dim_first else window)
+    untouched = [b for b in range(NUM_BLOCKS) if b not in written]
+    assert torch.equal(conv[untouched], before[0][untouched])
+    assert torch.equal(ssm[untouched], before[1][untouched])

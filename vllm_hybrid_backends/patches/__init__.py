@@ -39,6 +39,8 @@ PATCH_MODULES = (
     "vllm_hybrid_backends.patches.patch_vllm_model_executor_layers_mamba_ops_ssd_combined",
     "vllm_hybrid_backends.patches.patch_vllm_model_executor_layers_mamba_mamba_mixer2",
     "vllm_hybrid_backends.patches.patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention",
+    "vllm_hybrid_backends.patches.patch_vllm_third_party_flash_linear_attention_ops_chunk",
+    "vllm_hybrid_backends.patches.patch_vllm_model_executor_layers_mamba_gdn_qwen_gdn_linear_attn",
     "vllm_hybrid_backends.patches.patch_vllm_v1_attention_backends_gdn_attn",
     "vllm_hybrid_backends.patches.patch_vllm_v1_attention_backends_mamba2_attn",
     "vllm_hybrid_backends.patches.patch_vllm_ascend_worker_worker",

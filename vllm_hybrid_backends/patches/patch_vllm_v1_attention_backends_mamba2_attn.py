@@ -49,25 +49,13 @@ VLLM_VERSIONS = ">=0.32.0,<0.34.0"
 CHECKPOINT_MODULE = "vllm.model_executor.layers.mamba.checkpoint"
 #: Attribute of a ``MambaPrefillCheckpointMetadata`` holding the step's :class:`InteriorPlan`.
 INTERIOR_ATTR = "hybrid_interior_plan"
-#: vLLM's null block: the KV-cache manager pads the columns a chunk skips with it.
-NULL_BLOCK_ID = 0
+NULL_BLOCK_ID = interior.NULL_BLOCK_ID
 
 _ORIGINALS: dict[str, Any] = {}
 
 
-@dataclasses.dataclass(frozen=True)
-class InteriorPlan:
-    """The interior states of one step: what to store, and where each destination came from
-    in the block table (``block_table[request_rows[k], block_cols[k]]``)."""
-
-    batch: Any  # CheckpointBatch
-    request_rows: Any
-    block_cols: Any
-
-    def regather(self, block_table: Any) -> InteriorPlan:
-        """The same plan for another KV-cache group, whose blocks are in ``block_table``."""
-        blocks = _destinations(block_table, self.request_rows, self.block_cols)
-        return dataclasses.replace(self, batch=dataclasses.replace(self.batch, dst_block=blocks))
+InteriorPlan = interior.InteriorPlan
+_destinations = interior.destinations
 
 
 def _builder_class() -> Any:
@@ -178,15 +166,6 @@ def plan_interior_states(block_table: Any, query_start_loc: Any, seq_lens: Any, 
                                                      device=device),
                             dst_block=blocks, temporal_row=as_long(chunks))
     return InteriorPlan(batch, request_rows, block_cols)
-
-
-def _destinations(block_table: Any, request_rows: Any, block_cols: Any) -> Any:
-    """``block_table[request_rows, block_cols]``, ``-1`` where that is the null block, computed
-    where the table lives."""
-    import torch
-
-    blocks = block_table[request_rows, block_cols].long()
-    return torch.where(blocks == NULL_BLOCK_ID, -1, blocks)
 
 
 def _empty_checkpoint(m: Any, first_row: int, num_prefills: int) -> Any:

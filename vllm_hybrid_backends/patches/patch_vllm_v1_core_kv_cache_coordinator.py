@@ -40,8 +40,8 @@ finished request's cached prefix from its end, all groups together.
   only new state is its last one, every block it skips is padded with the null block, so keeping
   a tail checkpoint meant ending a chunk there (one more forward step, all layers, per
   checkpoint). Where the Mamba layers' forward stores states inside a chunk
-  (:func:`stores_interior`: the gated delta net on vLLM-CPU, Mamba2 on vLLM-CPU, CUDA and
-  ROCm, with this plugin's worker patches, as every worker reported them applied and its
+  (:func:`stores_interior`: the gated delta net and Mamba2 on vLLM-CPU, CUDA and ROCm (GDN on
+  devices where its prefill is vLLM's Triton/FLA kernel), with this plugin's worker patches, as every worker reported them applied and its
   forward able at engine start, :mod:`vllm_hybrid_backends.handshake`; or the replay's fake
   model), ``get_num_blocks_to_allocate`` adds one block per admitted tail
   checkpoint strictly inside the chunk (:func:`vllm_hybrid_backends.align.interior_tail_checkpoints`)
@@ -644,7 +644,8 @@ def free(self: Any, request_id: str) -> None:
 
 #: Mamba layer kinds (vLLM's ``MambaAttentionBackendEnum`` names) whose forward can store
 #: interior states through this plugin's worker patches: the gated delta net (vLLM-CPU's
-#: forward, ``patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention``) and Mamba2, from
+#: forward, ``patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention``; FLA's chunk
+#: states on CUDA/ROCm, ``patch_vllm_model_executor_layers_mamba_gdn_qwen_gdn_linear_attn``) and Mamba2, from
 #: the SSD scan's chunk states beside vLLM's own prefill checkpoint
 #: (``patch_vllm_v1_attention_backends_mamba2_attn``). Which platforms' forwards can is the
 #: workers' report (:func:`vllm_hybrid_backends.handshake.forward_limits`).
