@@ -115,3 +115,27 @@ def test_the_wraps_check_vllms_functions():
     assert len(problems) == 1 and problems[0].startswith(
         f"{fla_wrap.TARGET_MODULE}.chunk_gated_delta_rule_fwd_h changed: expected (k, w, u, g, gk, ")
     assert "in vLLM 0.3" in problems[0]
+
+
+@pytest.mark.parametrize("block_size,planned", [pytest.param(576, 2, id="576-planned"),
+                                                pytest.param(544, 0, id="544-not-a-multiple-of-64")])
+def test_the_builder_plans_on_a_device_table_without_reading_it(monkeypatch, block_size, planned):
+    """A ``meta`` table stands for a device one (no host can read it): the plan is built from
+    the host query starts and sequence lengths alone; with a block size FLA's 64-token chunks do
+    not reach (vLLM's 544 for the Qwen shapes on CUDA) nothing is planned."""
+    built = types.SimpleNamespace(num_prefills=1, num_decodes=0, spec_sequence_masks=None)
+    monkeypatch.setitem(gdn_plan._ORIGINALS, "build", lambda self, prefix, m, *a, **k: built)
+    builder = types.SimpleNamespace(
+        vllm_config=types.SimpleNamespace(cache_config=types.SimpleNamespace(mamba_cache_mode="align")),
+        kv_cache_spec=types.SimpleNamespace(num_speculative_blocks=0, block_size=block_size))
+    common = types.SimpleNamespace(block_table_tensor=torch.zeros(1, 4, dtype=torch.int32, device="meta"),
+                                   query_start_loc_cpu=torch.tensor([0, 1200]),
+                                   seq_lens_cpu_upper_bound=torch.tensor([1200]))
+    metadata = gdn_plan.build(builder, 0, common)
+    plan = getattr(metadata, gdn_plan.DEVICE_PLAN_ATTR, None)
+    if not planned:
+        assert plan is None
+        return
+    assert plan.batch.dst_block.device.type == "meta" and plan.batch.dst_block.numel() == planned
+    assert plan.batch.temporal_row.device.type == "meta"
+    assert getattr(metadata, gdn_plan.INTERIOR_ATTR, None) is None  # the host dict is vLLM-CPU's
