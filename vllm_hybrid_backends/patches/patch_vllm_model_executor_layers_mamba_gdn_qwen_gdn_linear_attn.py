@@ -35,6 +35,9 @@ TARGET_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 TARGET_SYMBOLS = ("QwenGatedDeltaNetAttention._forward_core",)
 PROCESS = "worker"
 VLLM_VERSIONS = ">=0.32.0,<0.34.0"
+#: A failed check (FLA or the GDN layer changed) leaves this feature off, the rest of the
+#: plugin on: the workers then report no GDN interior states and the engine splits chunks.
+OPTIONAL = True
 
 LAYOUT_MODULE = "vllm.model_executor.layers.mamba.mamba_utils"
 
@@ -46,6 +49,11 @@ def _layer_class() -> Any:
 
 
 def not_needed() -> str | None:
+    from ..compat import version_allows
+
+    if not version_allows(">=0.32"):
+        return ("the device GDN interior states are written for vLLM 0.32+ (the engine plans "
+                "none before): gated-delta-net tail states cost chunk splits on devices")
     if importlib.util.find_spec("vllm.model_executor.layers.mamba.gdn") is not None:
         return None
     return ("this vLLM has no layers/mamba/gdn package (0.23/0.26): gated-delta-net tail "

@@ -35,6 +35,9 @@ TARGET_MODULE = "vllm.third_party.flash_linear_attention.ops.chunk"
 TARGET_SYMBOLS = ("chunk_gated_delta_rule_fwd_h",)
 PROCESS = "worker"
 VLLM_VERSIONS = ">=0.32.0,<0.34.0"
+#: A failed check (FLA or the GDN layer changed) leaves this feature off, the rest of the
+#: plugin on: the workers then report no GDN interior states and the engine splits chunks.
+OPTIONAL = True
 
 #: The parameters the wrapper relies on, in vLLM's order (it passes everything through).
 FWD_H_PARAMETERS = ("k", "w", "u", "g", "gk", "initial_state", "output_final_state",
@@ -53,6 +56,11 @@ def _module() -> Any:
 
 
 def not_needed() -> str | None:
+    from ..compat import version_allows
+
+    if not version_allows(">=0.32"):
+        return ("the device GDN interior states are written for vLLM 0.32+ (the engine plans "
+                "none before): gated-delta-net tail states cost chunk splits on devices")
     if importlib.util.find_spec("vllm.third_party") is not None and \
             importlib.util.find_spec("vllm.third_party.flash_linear_attention") is not None:
         return None
