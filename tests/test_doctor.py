@@ -180,3 +180,24 @@ def test_doctor_names_the_fallback_where_the_forward_cannot_store_them(fresh_plu
     monkeypatch.setenv("VLLM_HYBRID_INTERIOR_STATES", "0")
     rows = _tail_states(capsys)
     assert rows["GDN_ATTN"]["how"] == "chunk splits (VLLM_HYBRID_INTERIOR_STATES=0)"
+
+
+def test_doctor_on_a_gpu_names_what_gdn_states_inside_the_chunk_need(fresh_plugins, capsys, monkeypatch):
+    """doctor runs no model: on CUDA it says GDN states come from inside the chunk only where the
+    workers find Triton/FLA prefill and a block size that is a multiple of 64."""
+    from vllm_hybrid_backends import handshake
+    from vllm_hybrid_backends.compat import version_allows
+
+    monkeypatch.delenv("VLLM_HYBRID_INTERIOR_STATES", raising=False)
+    monkeypatch.setattr(handshake, "_platform_name", lambda: "cuda")
+    monkeypatch.setattr(cli, "_vllm_platform", lambda: "cuda")
+    rows = _tail_states(capsys)
+    if not version_allows(">=0.32"):
+        assert not rows["GDN_ATTN"]["inside_chunk"]
+        return
+    assert rows["GDN_ATTN"]["inside_chunk"]
+    assert rows["GDN_ATTN"]["how"] == (
+        "inside the chunk (the forward stores them through hb_store_checkpoints); on cuda only "
+        "where every GDN layer prefills with Triton/FLA (--gdn-prefill-backend triton) and the "
+        "block size is a multiple of 64 (--block-size 64): the workers check at engine start, "
+        "else chunk splits")

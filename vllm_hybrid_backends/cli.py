@@ -170,6 +170,11 @@ def tail_state_paths(version: str | None) -> list[dict[str, Any]]:
             how = f"no tail states ({align.TAIL_CHECKPOINTS_ENV}=0)"
         elif inside:
             how = "inside the chunk (the forward stores them through hb_store_checkpoints)"
+            if kind == "GDN_ATTN" and handshake._platform_name() in handshake.FLA_PLATFORMS:
+                how += (f"; on {platform} only where every GDN layer prefills with Triton/FLA "
+                        "(--gdn-prefill-backend triton) and the block size is a multiple of "
+                        f"{handshake.FLA_CHUNK} (--block-size {handshake.FLA_CHUNK}): the "
+                        "workers check at engine start, else chunk splits")
         elif not policy.interior_states:
             how = f"{fallback} ({align.INTERIOR_STATES_ENV}=0)"
         elif kind not in coordinator.INTERIOR_KINDS:
