@@ -6,6 +6,9 @@ One :func:`run_replay` call builds the scheduler the way vLLM's engine core does
 fake worker (:class:`~.oracle.FakeHybridWorker`) emits the trace's forced output tokens and
 keeps fingerprint Mamba states that it moves through the selected backend's hooks and checks.
 
+With ``ReplayConfig.kv_offloading_size`` the scheduler also runs vLLM's own CPU tier, its
+``OffloadingConnector``, whose worker side :mod:`.offload` simulates over the same blocks.
+
 The simulated clock only orders arrivals: a step lasts ``STEP_BASE_S + STEP_PER_TOKEN_S`` x
 scheduled tokens. Measured wall time is reported separately (``sched_step_us``: the median
 time of ``schedule()`` + ``update_from_output()``).

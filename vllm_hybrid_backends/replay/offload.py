@@ -119,7 +119,7 @@ class TierStats:
     def to_json(self) -> dict[str, Any]:
         reuse = {kind: (self.reused[kind] / self.stored[kind] if self.stored[kind] else 0.0)
                  for kind in self.stored}
-        return {**{k: v for k, v in vars(self).items()}, "reused_fraction": reuse}
+        return {**vars(self), "reused_fraction": reuse}
 
 
 @dataclass
