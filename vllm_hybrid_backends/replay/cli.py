@@ -56,6 +56,11 @@ def add_parser(commands: Any) -> None:
                              "attention-only bound runs at the same unit. 'best': replay every "
                              "allowed unit of at least 16 tokens and report each policy at "
                              "its best (default: off, hits on the block grid)")
+    parser.add_argument("--kv-offloading-size", type=float, metavar="GIB", default=None,
+                        help="vLLM's --kv-offloading-size: a CPU tier of GIB GiB through vLLM's "
+                             "own OffloadingConnector; each policy is reported without it and "
+                             "with it (<policy>+cpu). The attention-only bound stays GPU-only "
+                             "(default: off)")
     parser.add_argument("--policy", choices=("upstream", "plugin", "both"), default="both",
                         help="upstream = installed vLLM, plugin off; plugin = with the "
                              "plugin's scheduler-process patches (default: both)")
@@ -93,6 +98,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from .harness import ReplayConfig, ReplayError
     from .report import (
         compare_policies,
+        compare_with_cpu_tier,
         plot_capacity_sweep,
         render_table,
         sweep_prefix_match_units,
@@ -133,9 +139,25 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print("error: --hash-block-size, --time-scale and --limit apply to --trace only",
               file=sys.stderr)
         return 2
+    tier = args.kv_offloading_size
+    if tier is not None:
+        from .offload import tier_problem
+
+        problem = None if 0 < tier < float("inf") else (
+            f"--kv-offloading-size must be a finite number of GiB > 0, got {tier}")
+        for flag, used in (("--prefix-match-unit", args.prefix_match_unit is not None),
+                           ("--plot", args.plot is not None),
+                           ("--timing-repeats", args.timing_repeats != 1)):
+            if used and problem is None:
+                problem = f"--kv-offloading-size cannot be combined with {flag}"
+        problem = problem or tier_problem()
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     policies = ["upstream", "plugin"] if args.policy == "both" else [args.policy]
     config = ReplayConfig(model_shape=args.model_shape, block_size=args.block_size,
-                          cache_tokens=args.cache_tokens, prefix_match_unit=unit)
+                          cache_tokens=args.cache_tokens, prefix_match_unit=unit,
+                          kv_offloading_size=tier)
     sweep = args.prefix_match_unit == "best"
     try:
         config.layout()  # refuses a bad --prefix-match-unit before any trace is read
@@ -150,11 +172,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     from tqdm import tqdm
 
-    runs = (1 + args.timing_repeats) * len(policies)
+    runs = (1 + args.timing_repeats + (tier is not None)) * len(policies)
     with tqdm(total=units * runs * len(trace.requests), desc=f"replay {trace.name}", unit="req",
               file=sys.stderr, disable=None) as bar, contextlib.redirect_stdout(sys.stderr):
         try:
-            if sweep:
+            if tier is not None:
+                report = compare_with_cpu_tier(trace, config, policies, progress=bar)
+            elif sweep:
                 report = sweep_prefix_match_units(trace, config, policies, progress=bar,
                                                   timing_repeats=args.timing_repeats)
             else:

@@ -6,6 +6,9 @@ One :func:`run_replay` call builds the scheduler the way vLLM's engine core does
 fake worker (:class:`~.oracle.FakeHybridWorker`) emits the trace's forced output tokens and
 keeps fingerprint Mamba states that it moves through the selected backend's hooks and checks.
 
+With ``ReplayConfig.kv_offloading_size`` the scheduler also runs vLLM's own CPU tier, its
+``OffloadingConnector``, whose worker side :mod:`.offload` simulates over the same blocks.
+
 The simulated clock only orders arrivals: a step lasts ``STEP_BASE_S + STEP_PER_TOKEN_S`` x
 scheduled tokens. Measured wall time is reported separately (``sched_step_us``: the median
 time of ``schedule()`` + ``update_from_output()``).
@@ -13,6 +16,7 @@ time of ``schedule()`` + ``update_from_output()``).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 import random
@@ -65,6 +69,9 @@ class ReplayConfig:
     prefix_match_unit: int | None = None
     max_model_len: int | None = None
     max_steps: int = 2_000_000
+    #: vLLM's ``--kv-offloading-size`` (GiB): its OffloadingConnector as a CPU tier
+    #: (:mod:`.offload`); None = off. The attention-only bound run stays GPU-only.
+    kv_offloading_size: float | None = None
 
     def resolved_shape(self) -> ModelShape:
         return self.shape if self.shape is not None else get_shape(self.model_shape)
@@ -144,6 +151,8 @@ class RunResult:
     blocks_leaked: int = 0
     patches: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    #: With the CPU tier: :meth:`.offload.TierStats.to_json`.
+    offload: dict[str, Any] | None = None
 
     @property
     def sched_step_us_median(self) -> float:
@@ -331,6 +340,37 @@ class _Instruments:
         return reasons
 
 
+def _check_cpu_tier(config: ReplayConfig, with_pd: bool) -> None:
+    """Refuse a CPU tier this vLLM or the replay's simulation of its worker side cannot run."""
+    from .offload import tier_problem
+
+    size = config.kv_offloading_size
+    if size is None or not 0 < size < math.inf:
+        raise ReplayError(f"--kv-offloading-size {size}: allowed values are finite GiB > 0")
+    problem = tier_problem()
+    if problem:
+        raise ReplayError(problem)
+    for name, value in (("--prefix-match-unit", config.prefix_match_unit),
+                        ("speculative tokens", config.num_spec_tokens or None),
+                        ("a P/D connector", with_pd or None)):
+        if value is not None:
+            raise ReplayError(f"--kv-offloading-size with {name} ({value}): the replay's CPU "
+                              "tier supports whole-block hits without speculative decoding "
+                              "and no other connector")
+
+
+def _make_cpu_tier(scheduler: Any, worker: FakeHybridWorker, setup: EngineSetup,
+                   records: dict[str, RequestRecord]) -> Any:
+    """The worker side of vLLM's CPU tier (:mod:`.offload`)."""
+    from .offload import CPUTierWorker
+
+    try:
+        return CPUTierWorker(scheduler, worker, setup,
+                             {rid: r.prompt_len for rid, r in records.items()})
+    except RuntimeError as exc:
+        raise ReplayError(str(exc)) from exc
+
+
 def _selected_backend() -> str:
     from .. import plugins
 
@@ -353,11 +393,20 @@ def run_replay(trace: Trace, config: ReplayConfig, policy: Policy, *,
     """
     from ..patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
 
+    tier: Any = contextlib.nullcontext()
+    if config.kv_offloading_size is not None and not attention_only:
+        from .engine_config import vllm_config_for
+        from .offload import tier_transfer_config
+
+        _check_cpu_tier(config, external is not None)
+        tier = tier_transfer_config(vllm_config_for(config.resolved_shape(),
+                                                    num_spec_tokens=config.num_spec_tokens),
+                                    config.kv_offloading_size)
     # the fake model stores interior states for every kind of Mamba layer
     previous, coordinator_patch.interior_override = (coordinator_patch.interior_override,
                                                        not attention_only)
     try:
-        with policy.active() as patches:
+        with policy.active() as patches, tier:
             result = _Run(trace, config, policy, attention_only, bound_hits or {},
                           accept or _default_accept(), external, progress).run()
     finally:
@@ -402,6 +451,13 @@ class _Run:
                 conv_kernel=shape.state.conv_kernel, num_spec_tokens=config.num_spec_tokens,
                 conv_layout=config.conv_layout)
         self.records = {r.id: RequestRecord(len(r.prompt_token_ids)) for r in trace.requests}
+        self.tier: Any = None
+        if config.kv_offloading_size is not None and not attention_only:
+            if self.worker is None:
+                raise ReplayError(f"--kv-offloading-size: {shape.name} has no Mamba layers; "
+                                  "the replay's CPU tier is for hybrid shapes")
+            self.tier = _make_cpu_tier(self.scheduler, self.worker, self.setup, self.records)
+            self._wrap_tier_lookup()
         #: per request, the furthest position it has computed or been served from the cache
         self.reached: dict[str, int] = {}
         self._wrap_lookup()
@@ -421,6 +477,28 @@ class _Run:
             structured_output_manager=StructuredOutputManager(config),
             block_size=self.setup.scheduler_block_size,
             hash_block_size=self.setup.hash_block_size, log_stats=False)
+
+    def _wrap_tier_lookup(self) -> None:
+        """With the CPU tier: classify the misses past what the connector will load.
+
+        The connector is asked right after the local lookup, in the same pass, so the pool
+        is the one the local lookup saw.
+        """
+        connector = self.scheduler.connector
+        original = connector.get_num_new_matched_tokens
+        records = self.records
+
+        def get_num_new_matched_tokens(request: Any, num_computed: int) -> Any:
+            ext, load_async = original(request, num_computed)
+            record = records.get(request.request_id)
+            if (ext and record is not None and record.admitted_order < 0
+                    and request.request_id in self.bound_hits):
+                bound = min(self.bound_hits[request.request_id], request.num_tokens - 1)
+                record.miss_chunks = self.instruments.classify_misses(
+                    request, num_computed + ext, bound)
+            return ext, load_async
+
+        connector.get_num_new_matched_tokens = get_num_new_matched_tokens
 
     def _wrap_lookup(self) -> None:
         manager = self.scheduler.kv_cache_manager
@@ -496,6 +574,8 @@ class _Run:
                     record.admitted_order = admitted
                     admitted += 1
                     ext = self.connector.loaded.get(new.req_id, 0) if self.connector else 0
+                    if self.tier is not None:
+                        ext = self.tier.loaded_tokens.pop(new.req_id, 0)
                     record.external_tokens = ext
                     record.hit_tokens = new.num_computed_tokens - ext
             result.preemptions += len(out.preempted_req_ids or ())
@@ -529,16 +609,31 @@ class _Run:
                         self.progress.update(1)
                     for spec in followers.pop(output.request_id, ()):
                         heapq.heappush(arrivals, (now + spec.arrival_s, order[spec.id], spec))
+        if self.tier is not None:
+            self._drain_tier(result)
         result.mamba_blocks_mean = blocks_sum / max(1, iterations)
         result.evictions_attention = self.instruments.evictions_attention
         result.evictions_mamba = self.instruments.evictions_mamba
         if self.worker is not None:
             result.mismatches = list(self.worker.mismatches)
             result.state_checks = self.worker.num_checks
+        if self.tier is not None:
+            result.mismatches += self.tier.mismatches
+            self.tier.stats.pinned_chunks_at_end = self.tier.pinned_chunks()
+            result.offload = self.tier.stats.to_json()
         pool = sched.kv_cache_manager.block_pool
         result.blocks_leaked = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
         result.wall_s = time.perf_counter() - started
         return result
+
+    def _drain_tier(self, result: RunResult) -> None:
+        """Step on while the connector has transfers in flight (vLLM's engine core does)."""
+        sched = self.scheduler
+        for _ in range(16):
+            if not sched.connector.has_pending_push_work():
+                return
+            out = sched.schedule()
+            sched.update_from_output(out, self._execute(out, result))
 
     def _execute(self, out: Any, result: RunResult) -> Any:
         """The fake model: forced outputs, Mamba fingerprints, prefill accounting."""
@@ -550,7 +645,11 @@ class _Run:
                                     for new in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        if self.worker is not None:
+        if self.tier is not None:
+            self.tier.handle_preemptions(out)
+            self.tier.worker.execute(out, after_update=self.tier.start_transfers)
+            self.tier.after_forward(out)
+        elif self.worker is not None:
             self.worker.execute(out, after_update=self._load_external)
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
@@ -583,9 +682,12 @@ class _Run:
             num_sampled[req_id] = len(tokens)
         if self.worker is not None:
             self.worker.postprocess(out, num_sampled)
-        return ModelRunnerOutput(req_ids=req_ids,
-                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled)
+        output = ModelRunnerOutput(req_ids=req_ids,
+                                   req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                   sampled_token_ids=sampled)
+        if self.tier is not None:
+            output.kv_connector_output = self.tier.take_output()
+        return output
 
     def _load_external(self, out: Any) -> None:
         """P/D: the fake connector writes the remote prefill's Mamba state (sync load)."""

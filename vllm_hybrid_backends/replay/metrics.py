@@ -136,6 +136,11 @@ class PolicyMetrics:
     #: Median scheduler step of each interleaved replay (``--timing-repeats``), in run order;
     #: ``sched_step_us_median`` is their median.
     sched_step_us_runs: list[float] = field(default_factory=list)
+    #: Prompt tokens loaded through a KV connector (the CPU tier, P/D) at first admission,
+    #: over all prompt tokens; ``token_hit_rate`` counts local prefix-cache hits only.
+    external_hit_rate: float = 0.0
+    #: With vLLM's CPU tier (``--kv-offloading-size``): what it stored and loaded.
+    offload: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in vars(self).items()}
@@ -189,4 +194,7 @@ def policy_metrics(trace: Trace, hybrid: RunResult, bound: RunResult) -> PolicyM
         blocks_leaked=hybrid.blocks_leaked,
         wall_s=hybrid.wall_s,
         mismatch_examples=[m.describe() for m in hybrid.mismatches[:5]],
+        external_hit_rate=sum(r.external_tokens for r in hybrid.requests.values())
+        / prompt_tokens,
+        offload=hybrid.offload,
     )

@@ -13,7 +13,8 @@ from .metrics import GAP_CAUSES, PolicyMetrics, policy_metrics
 from .policy import get_policy
 from .workloads import Trace
 
-__all__ = ["PLOT_INSTALL_HINT", "Report", "compare_policies", "plot_capacity_sweep",
+__all__ = ["PLOT_INSTALL_HINT", "Report", "compare_policies", "compare_with_cpu_tier",
+           "plot_capacity_sweep",
            "render_table", "sweep_prefix_match_units", "sweep_units", "CapacityPoint"]
 
 PLOT_INSTALL_HINT = "pip install 'vllm-hybrid-backends[plot]'"
@@ -47,6 +48,8 @@ class Report:
             "num_blocks": self.num_blocks,
             "pool_bytes": self.pool_bytes,
             "platform_rule": self.config.platform,
+            **({} if self.config.kv_offloading_size is None
+               else {"kv_offloading_size_gib": self.config.kv_offloading_size}),
             "workload_params": self.trace.params,
             "policies": {name: m.to_json() for name, m in self.policies.items()},
             **({} if self.unit_sweep is None else {"prefix_match_unit_sweep": {
@@ -94,6 +97,39 @@ def compare_policies(trace: Trace, config: ReplayConfig, policies: Sequence[str]
     for name, metrics in report.policies.items():
         report.policies[name] = replace(
             metrics, sched_step_us_median=statistics.median(metrics.sched_step_us_runs))
+    return report
+
+
+#: Report name of a policy run with vLLM's CPU tier.
+CPU_TIER_SUFFIX = "+cpu"
+
+
+def compare_with_cpu_tier(trace: Trace, config: ReplayConfig, policies: Sequence[str],
+                          progress: Any = None) -> Report:
+    """Each policy without and with vLLM's CPU tier (``config.kv_offloading_size``).
+
+    Per policy: the attention-only bound (GPU pool only), the hybrid run without the tier
+    (named as the policy) and with it (``<policy>+cpu``); both hybrid runs are measured
+    against that bound.
+    """
+    if config.kv_offloading_size is None:
+        raise ValueError("compare_with_cpu_tier needs config.kv_offloading_size")
+    gpu_only = replace(config, kv_offloading_size=None)
+    report: Report | None = None
+    for name in policies:
+        policy = get_policy(name)
+        bound = run_replay(trace, gpu_only, policy, attention_only=True, progress=progress)
+        hits = {k: r.hit_tokens for k, r in bound.requests.items()}
+        for label, run_config in ((name, gpu_only), (name + CPU_TIER_SUFFIX, config)):
+            hybrid = run_replay(trace, run_config, policy, progress=progress, bound_hits=hits)
+            if report is None:
+                report = Report(trace, config, hybrid.block_size, hybrid.num_blocks,
+                                hybrid.pool_bytes)
+            metrics = policy_metrics(trace, hybrid, bound)
+            report.policies[label] = replace(
+                metrics, prefix_match_unit=hybrid.block_size,
+                sched_step_us_runs=[metrics.sched_step_us_median])
+    assert report is not None, "no policy given"
     return report
 
 
@@ -146,7 +182,9 @@ def render_table(report: Report) -> str:
         f"model shape {shape.name} ({shape.num_attention_layers} attention + "
         f"{shape.num_mamba_layers} {shape.state.kind} layers), block {report.block_size} tokens "
         f"({report.config.platform} rule), cache {report.config.cache_tokens:,} tokens = "
-        f"{report.num_blocks - 1} blocks ({report.pool_bytes / 2**30:.2f} GiB)",
+        f"{report.num_blocks - 1} blocks ({report.pool_bytes / 2**30:.2f} GiB)"
+        + ("" if report.config.kv_offloading_size is None else
+           f"; CPU tier (vLLM's OffloadingConnector) {report.config.kv_offloading_size:g} GiB"),
         f"vLLM {installed_vllm_version()}, state backend {m[names[0]].backend}",
         "",
         f"{'':34}" + "".join(f"{n:>{width}}" for n in names),
@@ -170,6 +208,8 @@ def render_table(report: Report) -> str:
     row("preemptions", [str(m[n].preemptions) for n in names])
     row("recomputed after preemption", [f"{m[n].recomputed_tokens:,}" for n in names])
     row("  of which prompt tokens", [f"{m[n].recomputed_prompt_tokens:,}" for n in names])
+    if any(m[n].offload is not None for n in names):
+        _tier_rows(row, [m[n] for n in names])
     row("state mismatches (checks)",
         [f"{m[n].state_mismatches} ({m[n].state_checks:,})" for n in names])
     row("median scheduler step (us)", [_step_time(m[n].sched_step_us_runs, m[n].sched_step_us_median)
@@ -190,6 +230,28 @@ def render_table(report: Report) -> str:
         for example in m[n].mismatch_examples:
             lines.append(f"{n}: MISMATCH {example}")
     return "\n".join(lines)
+
+
+def _tier_rows(row: Any, metrics: Sequence[PolicyMetrics]) -> None:
+    """The CPU tier's rows: hits it served, what it stored and which of that came back."""
+    def each(value: Any) -> list[str]:
+        return [value(p.offload) if p.offload is not None else "-" for p in metrics]
+
+    def fraction(done: int, of: int) -> str:
+        return f"{done}/{of}" + (f" ({100 * done / of:.0f} %)" if of else "")
+
+    row("loaded from the CPU tier", [_pct(p.external_hit_rate) for p in metrics])
+    row("  local + CPU tier", [_pct(p.token_hit_rate + p.external_hit_rate) for p in metrics])
+    row("CPU tier capacity (chunks)", each(lambda o: f"{o['capacity_chunks']:,}"))
+    for kind in ("attention", "mamba"):
+        label = "attention blocks" if kind == "attention" else "Mamba states"
+        row(f"{label} stored / later loaded",
+            each(lambda o, k=kind: fraction(o["reused"][k], o["stored"][k])))
+    for place in ("prompt_end", "inside_prompt", "decode"):
+        row(f"  Mamba at {place.replace('_', ' ')}",
+            each(lambda o, p=place: fraction(o["mamba_reused_by_place"][p],
+                                             o["mamba_stored_by_place"][p])))
+    row("CPU chunks pinned after the run", each(lambda o: str(o["pinned_chunks_at_end"])))
 
 
 @dataclass
