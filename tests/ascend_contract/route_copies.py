@@ -83,6 +83,20 @@ for hook in COPY_HOOKS:
             impl.function = counted
 
 
+# ---- whether vllm-ascend's worker patches ran before the plugin applied its copy patch -----
+THEIR_COPY_PATCH = "vllm_ascend.patch.worker.patch_mamba_utils"
+order: dict[str, bool] = {}
+_plugin_apply = plugin_copies.apply
+
+
+def _recording_apply() -> None:
+    order.setdefault("theirs_loaded_before_first_plugin_apply", THEIR_COPY_PATCH in sys.modules)
+    _plugin_apply()
+
+
+plugin_copies.apply = _recording_apply
+
+
 # ---- the worker, as vLLM starts it ------------------------------------------------------------
 def start_worker() -> Any:
     model_dir = Path(tempfile.mkdtemp(prefix="tiny-llama-"))
@@ -106,6 +120,7 @@ def start_worker() -> Any:
 
 
 worker = start_worker()
+plugin_copies.apply = _plugin_apply
 from vllm_ascend.worker.model_runner_v1 import NPUModelRunner  # noqa: E402
 
 
@@ -250,9 +265,15 @@ result: dict[str, Any] = {
     "standins_served": sorted({name.split(".")[0] for name in npu_standin.SERVED}),
     "with_reapply": steps(),
 }
-# The control: what the worker would call had nothing re-applied after vllm-ascend's patches.
-# Re-running their module body makes exactly the assignments NPUWorker.__init__ made.
-importlib.reload(sys.modules["vllm_ascend.patch.worker.patch_mamba_utils"])
+result.update(order)
+# The control: what the worker calls when vllm-ascend's copy patch ran after the plugin's and
+# nothing re-applied: their module body run again makes exactly the assignments it made.
+importlib.reload(sys.modules[THEIR_COPY_PATCH])
 result["installed_after_their_patch_alone"] = installed()
 result["without_reapply"] = steps()
+# Then the real, plugin-wrapped NPUWorker.__init__ once more: its re-apply must restore the
+# routing (without the re-apply, 310P copies would stay vllm-ascend's).
+start_worker()
+result["installed_after_next_worker_init"] = installed()
+result["after_next_worker_init"] = steps()
 print(json.dumps(result))

@@ -73,11 +73,18 @@ def test_their_align_copies_run_on_the_ascend_backend_and_equal_the_reference(ro
     assert moved["nan_left_in_destinations"] is False
 
 
+def test_their_worker_patches_ran_before_the_plugin_applied_its_copy_patch(routed):
+    # the plugin's own capability check imports vllm_ascend.worker.worker, whose model runner
+    # imports vllm_ascend.patch.worker.* and so runs all their worker patches first: in this
+    # start order the plugin's copy functions are installed last even without the re-apply
+    assert routed["theirs_loaded_before_first_plugin_apply"] is True
+
+
 def test_without_the_reapply_310p_copies_bypass_the_backend_a2_copies_do_not(routed):
-    """The control: vllm-ascend's patch module run again, as NPUWorker.__init__ ran it, with
-    nothing re-applied after it. On 310P builds it takes collect/do back (their tensor-view
-    copies, still equal to the reference, and no hook call): the routing above is the
-    plugin's re-apply. A2 builds of these releases never re-assign those two functions."""
+    """The control: vllm-ascend's copy patch run again after the plugin's (their module body:
+    the assignments NPUWorker.__init__'s adapt_patch makes), nothing re-applied. On 310P builds
+    it takes collect/do back (their tensor-view copies, still equal to the reference, and no
+    hook call). A2 builds of these releases never re-assign those two functions."""
     on_310p = routed["build"] == "310P"
     owner = THEIR_PATCH if on_310p else PLUGIN_COPIES
     installed = routed["installed_after_their_patch_alone"]
@@ -85,6 +92,20 @@ def test_without_the_reapply_310p_copies_bypass_the_backend_a2_copies_do_not(rou
     for step in ("blocks", "token_bias"):
         moved = routed["without_reapply"][step]
         assert sum(moved["hook_calls"].values()) == (0 if on_310p else 1)
+        assert moved["equal_to_reference"] is True
+
+
+def test_the_reapply_in_the_real_npu_worker_init_restores_the_routing(routed):
+    """After the control, the real plugin-wrapped NPUWorker.__init__ runs once more: its
+    re-apply puts the plugin's copy functions back over theirs. Fails on 310P builds if the
+    wrapper stops re-applying (checked by deleting the call: 0 hook calls)."""
+    installed = routed["installed_after_next_worker_init"]
+    assert (installed["collect_mamba_copy_meta"], installed["do_mamba_copy_block"]) == (
+        PLUGIN_COPIES, PLUGIN_COPIES)
+    for step, hook in (("blocks", "hb_copy_state_blocks"),
+                       ("token_bias", "hb_precopy_running_states")):
+        moved = routed["after_next_worker_init"][step]
+        assert moved["hook_calls"][hook] == 1
         assert moved["equal_to_reference"] is True
 
 
