@@ -9,6 +9,8 @@ so a test or parameter id that happens to contain "cuda" routes nowhere.
 - ``e2e``: starts the real vLLM-CPU engine; skipped when vLLM is not importable or
   ``VLLM_HYBRID_SKIP_E2E=1``.
 - ``slow``: runs by default; ``-m "not slow"`` leaves it out.
+- ``ascend_contract``: against the real vllm-ascend sources (``make test-ascend-contract``);
+  skipped unless the ``-m`` expression names it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def pytest_collection_modifyitems(config, items):
     kind = detect_device_kind()
     has_vllm = importlib.util.find_spec("vllm") is not None
     skip_e2e = os.environ.get("VLLM_HYBRID_SKIP_E2E") == "1"
+    contract_selected = "ascend_contract" in (config.getoption("-m") or "")
     for item in items:
         wanted = device_markers(item)
         if wanted and not any(DEVICE_MARKERS[name] is kind for name in wanted):
@@ -54,6 +57,9 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("e2e") is not None and (skip_e2e or not has_vllm):
             why = "VLLM_HYBRID_SKIP_E2E=1" if skip_e2e else "vLLM is not installed"
             item.add_marker(pytest.mark.skip(reason=why))
+        if item.get_closest_marker("ascend_contract") is not None and not contract_selected:
+            item.add_marker(pytest.mark.skip(
+                reason="selected by make test-ascend-contract (-m ascend_contract)"))
 
 
 @pytest.fixture

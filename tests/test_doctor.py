@@ -129,10 +129,13 @@ def test_doctor_says_what_it_defers_to_vllm_ascend_only_where_installed(fresh_pl
     monkeypatch.setattr(cli, "_vllm_ascend_version", lambda: None)
     _, out, _ = run_doctor(capsys, "--json")
     assert json.loads(out)["vllm_ascend_composition"] == []
+    assert json.loads(out)["vllm_ascend_deferred"] == []
     monkeypatch.setattr(cli, "_vllm_ascend_version", lambda: "0.26.0rc1")
     _, out, _ = run_doctor(capsys)
     assert "vllm-ascend: 0.26.0rc1" in out
     assert "the plugin defers the hit search to it" in out and "BalanceScheduler" in out
+    left = out.split("left to vllm-ascend:", 1)[1]
+    assert "AscendGDNAttentionMetadataBuilder.build" in left and "MambaCopyBuffers.create" in left
 
 
 def _tail_states(capsys):

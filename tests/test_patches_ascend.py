@@ -292,3 +292,22 @@ def test_npu_worker_init_is_wrapped_once(monkeypatch, vllm_worker_module):
     fake.NPUWorker()
     assert reapplied == [1]
     assert fake.NPUWorker.__init__.__wrapped__.__qualname__.endswith("NPUWorker.__init__")
+
+
+def test_the_reapply_runs_only_patches_applied_here_and_no_kernel_override_without_dispatcher(
+        monkeypatch):
+    """vLLM 0.23 / 0.26 (vllm-ascend's pairings): patches this vLLM does not need were never
+    applied and have no target, and there is no kernel dispatcher; the re-apply after the real
+    NPUWorker.__init__ once tried both and took the worker down (make test-ascend-contract)."""
+    applied = []
+    modules = [_patch("was_applied", applied=applied), _patch("not_needed_here", applied=applied)]
+    monkeypatch.setattr(patches, "patch_modules", lambda process=None: modules)
+    monkeypatch.setattr(patches, "_applied", {"was_applied"})
+    monkeypatch.setattr(patches, "check", lambda module: patches.PatchStatus(
+        module.__name__, "worker", patches.APPLIED if module.__name__ == "x.was_applied"
+        else patches.NOT_NEEDED))
+    monkeypatch.setattr(platform_patch, "has_worker_seam", lambda: False)
+    monkeypatch.setattr(vllm_hybrid_backends.plugins, "kernel_overrides",
+                        lambda name: pytest.fail("kernel overrides asked for without a dispatcher"))
+    ascend_patch.reapply_worker_patches()
+    assert applied == ["was_applied"]

@@ -125,11 +125,36 @@ VLLM_ASCEND_COMPOSITION = (
     "NPUWorker.__init__ re-assigns mamba_utils copy functions: the plugin re-applies its worker "
     "patches after it (patch_vllm_ascend_worker_worker), so the selected backend stays the one "
     "called",
+    "preprocess_mamba: vllm-ascend's is kept (it defers the copy until the KV-transfer load "
+    "ran); it calls mamba_utils.collect_mamba_copy_meta, the plugin's, so its moves reach the "
+    "selected backend when the runner calls do_mamba_copy_block",
+    "310P builds replace collect_mamba_copy_meta / do_mamba_copy_block with tensor-view copies "
+    "(_collect_mamba_copy_meta_torch, _do_mamba_copy_block_torch): the plugin's re-apply wraps "
+    "them and keeps them for layers whose copy functions it does not know",
     "BalanceScheduler replaces the module's Scheduler but inherits vLLM's "
     "_mamba_block_aligned_split, which the plugin patches: it gets the plugin's chunk split",
     "AscendHybridKVCacheCoordinator.find_longest_cache_hit: the plugin defers the hit search to "
     "it (it carries vllm-ascend's PD / full-attention-only hit logic) and only records the hits "
     "it returns (wrapped at engine start)",
+)
+#: What the plugin leaves to vllm-ascend, and why (same checks; docs/ascend.md).
+VLLM_ASCEND_DEFERRED = (
+    "MambaCopyBuffers.create (int64 pointer buffers: the NPU has no uint64 zero): vllm-ascend's, "
+    "untouched",
+    "batch_memcpy / batch_memcpy_kernel: vllm-ascend's Triton-Ascend copy, reached only by "
+    "copies of layers the plugin does not know; on vLLM < 0.31 (no vllm.triton_utils.dispatcher) "
+    "the backend registers no kernel override",
+    "speculative-decoding align postprocess on vLLM 0.23 / 0.26 (postprocess_mamba_align_gpu with "
+    "vllm-ascend's postprocess_mamba_fused_kernel; on 310P _postprocess_mamba_align_gpu_cpu_fallback)"
+    ": vllm-ascend's; the plugin routes only the scalar copy path on these versions",
+    "AscendGDNAttentionMetadataBuilder.build never runs vLLM's build, so the plugin's gdn_attn "
+    "patch does not run under vllm-ascend: the worker reports gdn_interior_states off on npu and "
+    "the engine plans no GDN states inside a prefill chunk there",
+    "AscendMambaManager.find_longest_cache_hit / get_num_blocks_to_allocate: vllm-ascend's, not "
+    "wrapped (the plugin's coordinator-level wrappers call them; on vLLM 0.26 the plugin wraps "
+    "MambaManager.reachable_block_mask, which AscendMambaManager inherits)",
+    "HybridAttentionMambaModelConfig.verify_and_update_config (page sizes, block alignment): "
+    "vllm-ascend's, untouched",
 )
 #: Mamba layer kinds (vLLM's ``MambaAttentionBackendEnum`` names) and whether vLLM's own
 #: layer exports a prefill checkpoint from inside the forward (Mamba2 does, from vLLM 0.32).
@@ -220,6 +245,7 @@ def doctor_report() -> tuple[dict[str, Any], int]:
         "patches": patch_statuses,
         "worker_handshake": _worker_handshake(),
         "vllm_ascend_composition": list(VLLM_ASCEND_COMPOSITION) if _vllm_ascend_version() else [],
+        "vllm_ascend_deferred": list(VLLM_ASCEND_DEFERRED) if _vllm_ascend_version() else [],
         "tail_states": tail_state_paths(version),
         "platform": _vllm_platform(),
         "device_kind": detect_device_kind().value,
@@ -257,6 +283,9 @@ def _print_human(report: dict[str, Any]) -> None:
     if report["vllm_ascend_version"]:
         print(f"vllm-ascend: {report['vllm_ascend_version']}")
         for line in report["vllm_ascend_composition"]:
+            print(f"  - {line}")
+        print("  left to vllm-ascend:")
+        for line in report["vllm_ascend_deferred"]:
             print(f"  - {line}")
     if report["patches"]:
         print("patches:")

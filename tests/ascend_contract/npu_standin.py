@@ -86,3 +86,27 @@ def install() -> None:
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
     _attach_torch_npu()
+
+
+#: SoC names torch_npu reports and the numbers ``torch_npu.npu.get_soc_version()`` gives for
+#: them (vllm-ascend's ``check_ascend_device_type``: 220-225 A2, 200-205 310P).
+SOC_VERSIONS = {"Ascend910B2": 223, "Ascend310P3": 202}
+
+
+def show_one_npu(soc_name: str) -> None:
+    """What a host with one visible NPU of ``soc_name`` answers to device *queries*, and what
+    importing the real torch_npu does to torch: the ``npu`` device type (PrivateUse1 renamed,
+    so ``torch.device("npu")`` parses) and ``torch.distributed.is_hccl_available``. No op is
+    mapped: tensors stay on the CPU and every copy runs as a CPU torch op."""
+    import torch
+    import torch.distributed
+
+    install()
+    if torch._C._get_privateuse1_backend_name() != "npu":
+        torch.utils.rename_privateuse1_backend("npu")
+    if not hasattr(torch.distributed, "is_hccl_available"):
+        torch.distributed.is_hccl_available = lambda: False  # type: ignore[attr-defined]
+    npu = sys.modules["torch.npu"]
+    npu.device_count = lambda: 1  # type: ignore[attr-defined]
+    npu.get_device_name = lambda device=0: soc_name  # type: ignore[attr-defined]
+    importlib.import_module("torch_npu").npu.get_soc_version = lambda: SOC_VERSIONS[soc_name]

@@ -4,21 +4,15 @@ with a stand-in for torch_npu/CANN only (``npu_standin``). Sources come from
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from ascend_sources import RELEASES, SRC, run_beside
+
+from vllm_hybrid_backends import cli
 
 pytestmark = [pytest.mark.ascend_contract, pytest.mark.slow]
 
-HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
-SRC = ROOT / ".venv-matrix" / "src"
-RELEASES = [pytest.param(("0.23.0", "0.23.0"), id="vllm-ascend-0.23.0"),
-            pytest.param(("0.26.0", "0.26.0rc1"), id="vllm-ascend-0.26.0rc1")]
 # What vllm-ascend's patch_mamba_utils re-assigns in NPUWorker.__init__ on non-310P hosts; the
 # plugin's patch_vllm_ascend_worker_worker re-applies its worker patches after these.
 REASSIGNED = {"batch_memcpy", "batch_memcpy_kernel", "postprocess_mamba_fused_kernel",
@@ -27,19 +21,9 @@ REASSIGNED = {"batch_memcpy", "batch_memcpy_kernel", "postprocess_mamba_fused_ke
 
 @pytest.fixture(scope="module", params=RELEASES)
 def probed(request):
-    if "ascend_contract" not in (request.config.getoption("-m") or ""):
-        pytest.skip("selected by make test-ascend-contract (-m ascend_contract)")
-    vllm_version, ascend_version = request.param
-    paths = [SRC / f"vllm-{vllm_version}", SRC / f"vllm_ascend-{ascend_version}"]
-    if not all(p.is_dir() for p in paths):
-        pytest.skip("run scripts/setup_ascend_contract.sh (make test-ascend-contract) first")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [*map(str, paths), str(ROOT / ".venv-matrix" / "extra"), str(HERE), str(ROOT)]))
-    done = subprocess.run([sys.executable, str(HERE / "probe.py")], env=env, cwd=HERE,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert Path(result["vllm_ascend_file"]).resolve().is_relative_to(paths[1].resolve())
+    result = run_beside(request.param, "probe.py")
+    ascend_source = SRC / f"vllm_ascend-{request.param[1]}"
+    assert Path(result["vllm_ascend_file"]).resolve().is_relative_to(ascend_source.resolve())
     return result
 
 
@@ -77,3 +61,11 @@ def test_the_plugin_wraps_the_ascend_coordinators_own_hit_search_and_delegates_t
     assert probed["hit_searches_wrapped"] == [
         "vllm_ascend.patch.platform.patch_kv_cache_coordinator.AscendHybridKVCacheCoordinator"]
     assert probed["ascend_hit_search_wrapper_keeps_theirs"] is True
+
+
+def test_each_vllm_ascend_function_the_plugin_wraps_here_is_named_in_doctor(probed):
+    composed = " ".join(cli.VLLM_ASCEND_COMPOSITION)
+    wrapped = [f"{name.rsplit('.', 1)[-1]}.find_longest_cache_hit"
+               for name in probed["hit_searches_wrapped"]]
+    assert probed["npu_worker_wrapped"] is True
+    assert all(name in composed for name in ["NPUWorker.__init__", *wrapped])
