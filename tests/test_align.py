@@ -153,6 +153,28 @@ def test_scheduler_patch_does_not_split_where_the_forward_stores_interior_states
     assert scheduler_patched._mamba_block_aligned_split(fake, request, 1500) == 384
 
 
+@pytest.mark.parametrize("computed, prompt, tokens, scheduled", [
+    pytest.param(100, 100, 101, 1, id="decode"),
+    pytest.param(100, 100, 101, 4, id="decode-with-drafts"),
+    pytest.param(150, 100, 151, 1, id="decode-after-resume"),
+])
+def test_decode_steps_return_before_vllms_split_which_leaves_them_unchanged(
+        scheduler_patched, monkeypatch, computed, prompt, tokens, scheduled):
+    request = types.SimpleNamespace(num_computed_tokens=computed, num_prompt_tokens=prompt,
+                                    num_tokens=tokens, request_id="r")
+    vllms = scheduler_patch._ORIGINALS["_mamba_block_aligned_split"]
+    # vLLM's own split returns a decode step's count without reading the scheduler at all
+    assert vllms(types.SimpleNamespace(), request, scheduled) == scheduled
+
+    def not_for_decode_steps(*args):
+        raise AssertionError("vLLM's split was called for a decode step")
+
+    monkeypatch.setitem(scheduler_patch._ORIGINALS, "_mamba_block_aligned_split",
+                        not_for_decode_steps)
+    fake, _ = _fake_scheduler(128, 128, None)
+    assert scheduler_patched._mamba_block_aligned_split(fake, request, scheduled) == scheduled
+
+
 def test_scheduler_patch_reverts_to_vllms_method():
     cls = scheduler_patch._scheduler_class()
     original = cls._mamba_block_aligned_split

@@ -27,28 +27,35 @@ from vllm_hybrid_backends.replay.workloads import make_workload
 pytestmark = pytest.mark.slow
 CONFIG = ReplayConfig()
 
-#: The wrappers every supported vLLM must call during an agentic replay, by what they wrap.
-ALWAYS_CALLED = {
-    "Scheduler._mamba_block_aligned_split": scheduler_patch._mamba_block_aligned_split,
-    "KVCacheManager.allocate_slots": manager_patch.allocate_slots,
-    "cache_blocks (every coordinator class defining one)": coordinator_patch._cache_blocks,
-    "KVCacheCoordinator.free": coordinator_patch.free,
-    "KVCacheCoordinator.remove_skipped_blocks": coordinator_patch.remove_skipped_blocks,
-    "KVCacheCoordinator.get_num_blocks_to_allocate": coordinator_patch.get_num_blocks_to_allocate,
-    "KVCacheCoordinator.allocate_new_blocks": coordinator_patch.allocate_new_blocks,
-    "HybridKVCacheCoordinator.find_longest_cache_hit": coordinator_patch.find_longest_cache_hit,
+#: The wrappers every supported vLLM must call during an agentic replay, by what they wrap (where
+#: a patch installs one of two forms by the installed signature, either counts).
+ALWAYS_CALLED: dict[str, tuple[Any, ...]] = {
+    "Scheduler._mamba_block_aligned_split": (scheduler_patch._mamba_block_aligned_split,),
+    "KVCacheManager.allocate_slots": (manager_patch.allocate_slots,
+                                      manager_patch.allocate_slots_positional),
+    "cache_blocks (every coordinator class defining one)": (coordinator_patch._cache_blocks,),
+    "KVCacheCoordinator.free": (coordinator_patch.free,),
+    "KVCacheCoordinator.remove_skipped_blocks": (
+        coordinator_patch.remove_skipped_blocks,
+        coordinator_patch.remove_skipped_blocks_positional),
+    "KVCacheCoordinator.get_num_blocks_to_allocate": (
+        coordinator_patch.get_num_blocks_to_allocate,),
+    "KVCacheCoordinator.allocate_new_blocks": (coordinator_patch.allocate_new_blocks,),
+    "HybridKVCacheCoordinator.find_longest_cache_hit": (
+        coordinator_patch.find_longest_cache_hit,),
 }
 #: The wrapper of the installed vLLM's retention form (see ``_boundary_form``).
 BOUNDARY_WRAPPERS = {
-    "replay_boundaries": coordinator_patch.replay_boundaries,
-    "KVCacheCoordinator.get_replay_boundaries": coordinator_patch.get_replay_boundaries,
-    "MambaManager.reachable_block_mask": coordinator_patch._reachable_block_mask,
+    "replay_boundaries": (coordinator_patch.replay_boundaries,),
+    "KVCacheCoordinator.get_replay_boundaries": (coordinator_patch.get_replay_boundaries,),
+    "MambaManager.reachable_block_mask": (coordinator_patch._reachable_block_mask,),
 }
 
 
-def _calls_during(run: Any, functions: dict[str, Any]) -> Counter[str]:
-    """How often each of ``functions`` was entered while ``run()`` ran (Python profiler)."""
-    by_code = {function.__code__: name for name, function in functions.items()}
+def _calls_during(run: Any, functions: dict[str, tuple[Any, ...]]) -> Counter[str]:
+    """How often any of each name's ``functions`` was entered while ``run()`` ran (Python
+    profiler)."""
+    by_code = {function.__code__: name for name, forms in functions.items() for function in forms}
     calls: Counter[str] = Counter()
 
     def profile(frame: Any, event: str, arg: Any) -> None:
@@ -74,7 +81,7 @@ def test_every_engine_wrapper_runs_inside_vllms_scheduler():
         wanted[form] = BOUNDARY_WRAPPERS[form]
     if not coordinator_patch._counts_local_tokens(module.KVCacheCoordinator):  # 0.23's form
         wanted["KVCacheCoordinator.get_num_blocks_to_allocate"] = (
-            coordinator_patch.get_num_blocks_to_allocate_without_local)
+            coordinator_patch.get_num_blocks_to_allocate_without_local,)
     trace = make_workload("agentic", block_size=CONFIG.layout().block_size, sessions=2, turns=3)
     results = []
     calls = _calls_during(lambda: results.append(run_replay(trace, CONFIG, get_policy("plugin"))),

@@ -85,7 +85,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import align, handshake, interior, stats
-from ..compat import signature_problem, version_allows
+from ..compat import same_parameters, signature_problem, version_allows
 from ..trace import trace_event
 from . import patch_vllm_v1_core_kv_cache_manager as manager_patch
 
@@ -128,8 +128,6 @@ class CoordinatorState:
     probation: dict[int, Any] = field(default_factory=dict)
     #: The newest block of the probation segment (new ones queue behind it: the oldest goes first).
     probation_last: Any = None
-    #: request id -> [(group index, block columns planned for interior states this step)].
-    interior_plans: dict[str, list[tuple[int, list[int]]]] = field(default_factory=dict)
     #: block id -> (block, its hash) of probation blocks freed while the pool had spare uncached
     #: blocks: they keep their LRU place until an allocation is about to evict a block vLLM
     #: keeps cached, then join the probation segment first (:func:`_place_deferred`).
@@ -146,6 +144,8 @@ class CoordinatorState:
     mamba_kinds: frozenset[str] | None = None
     #: Whether the block pool's evictions are counted (``VLLM_HYBRID_STATS``).
     counts_evictions: bool = False
+    #: (the active policy, that policy as it applies to this model), derived once per policy
+    cache_policy: tuple[align.AlignPolicy, align.AlignPolicy] | None = None
 
 
 def state_of(coordinator: Any) -> CoordinatorState:
@@ -431,8 +431,19 @@ def _release_probation(state: CoordinatorState, block_pool: Any, request_id: str
 
 def remove_skipped_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> None:
     _ORIGINALS["KVCacheCoordinator.remove_skipped_blocks"](self, request_id, *args, **kwargs)
-    state = state_of(self)
-    if state.kept_states and request_id in state.kept_states:
+    state = getattr(self, "_hybrid_state", None)
+    if state is not None and state.kept_states and request_id in state.kept_states:
+        _release_probation(state, self.block_pool, request_id, finished=False)
+
+
+def remove_skipped_blocks_positional(self: Any, request_id: str, processed_computed_tokens: int,
+                                     num_prompt_tokens: int | None = None) -> None:
+    """:func:`remove_skipped_blocks` for a vLLM whose method takes exactly these parameters
+    (0.32): called for every scheduled request each step, it forwards them positionally."""
+    _ORIGINALS["KVCacheCoordinator.remove_skipped_blocks"](
+        self, request_id, processed_computed_tokens, num_prompt_tokens)
+    state = getattr(self, "_hybrid_state", None)
+    if state is not None and state.kept_states and request_id in state.kept_states:
         _release_probation(state, self.block_pool, request_id, finished=False)
 
 
@@ -462,8 +473,21 @@ def _cache_blocks_of(cls_name: str) -> Any:
     """``cache_blocks`` wrapped for one coordinator class that defines its own (0.30's
     ``HybridKVCacheCoordinator`` overrides the base: a wrapper on the base alone is bypassed)."""
 
+    key = f"{cls_name}.cache_blocks"
+
     def wrapped(self: Any, request: Any, num_computed_tokens: int) -> None:
-        _cache_blocks(_ORIGINALS[f"{cls_name}.cache_blocks"], self, request, num_computed_tokens)
+        original = _ORIGINALS[key]
+        state = getattr(self, "_hybrid_state", None)
+        per_block_size = state.mamba_per_block_size if state is not None else None
+        if per_block_size is None:
+            per_block_size = _one_per_block_size(self, _mamba_managers(self))
+        request_id = request.request_id
+        for manager in per_block_size:  # groups of one size cache in lockstep
+            if manager.num_cached_block.get(request_id, 0) < num_computed_tokens // manager.block_size:
+                _cache_blocks(original, self, request, num_computed_tokens)
+                return
+        # No Mamba block becomes full: the boundaries cannot matter (the hot decode path).
+        original(self, request, num_computed_tokens)
 
     wrapped.__name__ = wrapped.__qualname__ = "cache_blocks"
     wrapped._hybrid_backends_wrapper = True  # type: ignore[attr-defined]
@@ -471,27 +495,13 @@ def _cache_blocks_of(cls_name: str) -> Any:
 
 
 def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: int) -> None:
+    """``cache_blocks`` when a Mamba block becomes full: vLLM keeps the admitted boundaries too."""
     state = state_of(self)
-    managers = state.mamba_managers
-    if managers is None:
-        managers = _mamba_managers(self)
-    per_block_size = state.mamba_per_block_size
-    if per_block_size is None:
-        per_block_size = _one_per_block_size(self, managers)
-    request_id = request.request_id
-    for manager in per_block_size:  # groups of one size cache in lockstep
-        if manager.num_cached_block.get(request_id, 0) < num_computed_tokens // manager.block_size:
-            break
-    else:
-        # No Mamba block becomes full: the boundaries cannot matter (the hot decode path).
-        original(self, request, num_computed_tokens)
-        return
-    policy = align.policy_for_model(
-        align.active_policy(), internal_prefill_checkpoints=_internal_prefill_checkpoints(self),
-        interior_states=bool(_interior_managers(self)), mamba_kinds=_mamba_kinds(self))
+    managers = _mamba_managers(self)
+    policy = _cache_policy(self, state)
     memo: dict[Any, Any] = {}
     before = managers[0].num_cached_block.get(request.request_id, 0) if stats.enabled else 0
-    token = _caching_for.set((request, policy, memo, state_of(self).ledger))
+    token = _caching_for.set((request, policy, memo, state.ledger))
     try:
         original(self, request, num_computed_tokens)
     finally:
@@ -500,6 +510,18 @@ def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: i
         _record_kept_states(self, request, policy, memo)
     if stats.enabled:
         _count_kept_states(self, managers[0], request, policy, memo, before)
+
+
+def _cache_policy(coordinator: Any, state: CoordinatorState) -> align.AlignPolicy:
+    """The active policy as it applies to this coordinator's model, derived once per policy."""
+    active = align.active_policy()
+    known = state.cache_policy
+    if known is None or known[0] is not active:
+        known = state.cache_policy = (active, align.policy_for_model(
+            active, internal_prefill_checkpoints=_internal_prefill_checkpoints(coordinator),
+            interior_states=bool(_interior_managers(coordinator)),
+            mamba_kinds=_mamba_kinds(coordinator)))
+    return known[1]
 
 
 def _count_kept_states(coordinator: Any, manager: Any, request: Any, policy: align.AlignPolicy,
@@ -730,34 +752,30 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
         count = original(self, request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
                          total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
                          apply_admission_cap=apply_admission_cap)
-    state = state_of(self)
-    managers = state.interior_managers
+    allocation = manager_patch.allocating_for.get()
+    if allocation is None:  # a decode step, or allocating again without interior blocks
+        return count
+    managers = state_of(self).interior_managers
     if managers is None:
         managers = _interior_managers(self)
-    if not managers:
-        return count
-    allocation = manager_patch.allocating_for.get()
-    request = allocation.request if allocation is not None else None
-    inside = (num_tokens_main_model - total_computed_tokens > managers[0][1].block_size
-              and request is not None and request.request_id == request_id)
+    request = allocation.request
     planned: list[tuple[int, list[int]]] = []
-    if inside:  # decode steps and one-block chunks plan nothing
+    if (managers and request.request_id == request_id  # one-block chunks plan nothing
+            and num_tokens_main_model - total_computed_tokens > managers[0][1].block_size):
+        ledger = state_of(self).ledger
         for group, manager in managers:
             if manager._has_partial_local_hit(new_computed_blocks[group],
                                               num_local_computed_tokens):
                 continue
-            columns = _interior_columns(state.ledger, manager, request, total_computed_tokens,
+            columns = _interior_columns(ledger, manager, request, total_computed_tokens,
                                         num_tokens_main_model)
             if columns:
                 count += len(columns)
                 planned.append((group, columns))
         if planned:
-            allocation.interior = True  # type: ignore[union-attr]
+            allocation.interior = True
     if not apply_admission_cap:
-        if planned:
-            state.interior_plans[request_id] = planned
-        elif state.interior_plans:
-            state.interior_plans.pop(request_id, None)
+        allocation.plan = planned or None
     return count
 
 
@@ -778,11 +796,12 @@ def get_num_blocks_to_allocate_without_local(
 
 def allocate_new_blocks(self: Any, request_id: str, num_tokens: int, num_tokens_main_model: int,
                         num_encoder_tokens: int = 0) -> Any:
-    plans = state_of(self).interior_plans
-    plan = plans.pop(request_id, None) if plans else None
+    allocation = manager_patch.allocating_for.get()
+    plan = allocation.plan if allocation is not None else None
     if plan is None:
         return _ORIGINALS["KVCacheCoordinator.allocate_new_blocks"](
             self, request_id, num_tokens, num_tokens_main_model, num_encoder_tokens)
+    allocation.plan = None  # type: ignore[union-attr]
     planned = [(group, self.single_type_managers[group], columns,
                 len(self.single_type_managers[group].req_to_blocks[request_id]))
                for group, columns in plan]
@@ -898,8 +917,8 @@ def _coordinator_classes(module: Any) -> list[type]:
 
 _WRAPPERS: tuple[Any, ...] = (replay_boundaries, get_replay_boundaries, _reachable_block_mask,
                               find_longest_cache_hit, get_num_blocks_to_allocate_without_local,
-                              free, remove_skipped_blocks, get_num_blocks_to_allocate,
-                              allocate_new_blocks)
+                              free, remove_skipped_blocks, remove_skipped_blocks_positional,
+                              get_num_blocks_to_allocate, allocate_new_blocks)
 for _wrapper in _WRAPPERS:
     _wrapper._hybrid_backends_wrapper = True
 
@@ -936,12 +955,17 @@ def apply() -> None:
             cls.cache_blocks = _cache_blocks_of(cls.__name__)  # type: ignore[attr-defined]
     counts_local = _counts_local_tokens(module.KVCacheCoordinator)
     for name in _WRAPPED:
+        current = getattr(module.KVCacheCoordinator, name)
+        if getattr(current, "_hybrid_backends_wrapper", False):
+            continue
         wrapper = globals()[name]
         if name == "get_num_blocks_to_allocate" and not counts_local:
             wrapper = get_num_blocks_to_allocate_without_local
-        if getattr(module.KVCacheCoordinator, name) is not wrapper:
-            _ORIGINALS[f"KVCacheCoordinator.{name}"] = getattr(module.KVCacheCoordinator, name)
-            setattr(module.KVCacheCoordinator, name, wrapper)
+        elif name == "remove_skipped_blocks" and same_parameters(
+                current, remove_skipped_blocks_positional):
+            wrapper = remove_skipped_blocks_positional
+        _ORIGINALS[f"KVCacheCoordinator.{name}"] = current
+        setattr(module.KVCacheCoordinator, name, wrapper)
     _TAKES_PREFILL_END = "prefill_end" in inspect.signature(
         _ORIGINALS["KVCacheCoordinator.get_num_blocks_to_allocate"]).parameters
     _POPS_BLOCKS = _pops_blocks(module.KVCacheCoordinator)

@@ -8,6 +8,10 @@
   for the request while the original runs. Interior blocks are optional: when the coordinator
   counted some (``Allocation.interior``) and vLLM then found too few free blocks, the wrapper
   allocates once more without them, so they never keep a request from being scheduled.
+  A one-token allocation (a decode step) goes straight to vLLM. Where the installed
+  ``allocate_slots`` takes exactly the parameters of :func:`allocate_slots_positional` (vLLM
+  0.32), that wrapper is installed: it forwards them positionally, several times cheaper per
+  call than ``*args, **kwargs`` (about 17 calls a step on a decode-heavy batch).
 - Upstream: none (no seam passes the request down).
 - vLLM versions: 0.30.x-0.33.x (same signature, checked when it binds).
 - Removal: with the interior states of ``patch_vllm_v1_core_kv_cache_coordinator``.
@@ -19,7 +23,7 @@ import contextvars
 import importlib
 from typing import Any
 
-from ..compat import signature_problem
+from ..compat import same_parameters, signature_problem
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_manager"
 TARGET_SYMBOLS = ("KVCacheManager.allocate_slots",)
@@ -27,14 +31,19 @@ PROCESS = "engine"
 VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
-class Allocation:
-    """The request ``allocate_slots`` is allocating for, and whether interior blocks were counted."""
 
-    __slots__ = ("request", "interior")
+
+class Allocation:
+    """The request ``allocate_slots`` is allocating for, whether interior blocks were counted,
+    and where the coordinator planned them for ``allocate_new_blocks``."""
+
+    __slots__ = ("request", "interior", "plan")
 
     def __init__(self, request: Any) -> None:
         self.request = request
         self.interior = False
+        #: [(KV-cache group index, block-table columns)] of the interior blocks to place, or None
+        self.plan: list[tuple[int, list[int]]] | None = None
 
 
 #: The allocation ``KVCacheManager.allocate_slots`` is running, or None.
@@ -60,25 +69,56 @@ def missing() -> list[str]:
 
 
 def allocate_slots(self: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+    original = _ORIGINALS["allocate_slots"]
     if num_new_tokens <= 1:  # a decode step: no chunk to plan interior blocks in
-        return _ORIGINALS["allocate_slots"](self, request, num_new_tokens, *args, **kwargs)
+        return original(self, request, num_new_tokens, *args, **kwargs)
+    return _allocate(original, self, request, num_new_tokens, args, kwargs)
+
+
+def allocate_slots_positional(self: Any, request: Any, num_new_tokens: int,
+                              num_new_computed_tokens: int = 0, new_computed_blocks: Any = None,
+                              num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
+                              delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
+                              full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
+                              has_scheduled_reqs: bool = True,
+                              skip_zeroing_group_ids: tuple[int, ...] = ()) -> Any:
+    """:func:`allocate_slots` for a vLLM whose ``allocate_slots`` takes exactly these parameters."""
+    original = _ORIGINALS["allocate_slots"]
+    if num_new_tokens <= 1:  # a decode step: no chunk to plan interior blocks in
+        return original(self, request, num_new_tokens, num_new_computed_tokens,
+                        new_computed_blocks, num_lookahead_tokens, num_external_computed_tokens,
+                        delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit,
+                        reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids)
+    return _allocate(original, self, request, num_new_tokens, (
+        num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+        num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
+        full_sequence_must_fit, reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids), {})
+
+
+def _allocate(original: Any, manager: Any, request: Any, num_new_tokens: int,
+              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     allocation = Allocation(request)
     token = allocating_for.set(allocation)
     try:
-        blocks = _ORIGINALS["allocate_slots"](self, request, num_new_tokens, *args, **kwargs)
+        blocks = original(manager, request, num_new_tokens, *args, **kwargs)
         if blocks is None and allocation.interior:
             allocating_for.set(None)  # not enough blocks with them: allocate without
-            blocks = _ORIGINALS["allocate_slots"](self, request, num_new_tokens, *args, **kwargs)
+            blocks = original(manager, request, num_new_tokens, *args, **kwargs)
         return blocks
     finally:
         allocating_for.reset(token)
 
 
+_WRAPPERS = (allocate_slots, allocate_slots_positional)
+
+
 def apply() -> None:
     cls = _manager_class()
-    if cls.allocate_slots is not allocate_slots:
+    if cls.allocate_slots not in _WRAPPERS:
         _ORIGINALS["allocate_slots"] = cls.allocate_slots
-        cls.allocate_slots = allocate_slots
+        cls.allocate_slots = (allocate_slots_positional
+                              if same_parameters(cls.allocate_slots, allocate_slots_positional)
+                              else allocate_slots)
 
 
 def revert() -> None:

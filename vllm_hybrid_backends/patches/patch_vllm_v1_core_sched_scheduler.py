@@ -7,7 +7,10 @@
   token 0 (the agentic/incremental miss). Separately, the split aligns on
   ``cache_config.block_size`` (the smallest group's block), so with a coarser Mamba block a
   chunk can end off the Mamba grid and a state is cached under the wrong boundary.
-- How: the original decides the chunk; :func:`vllm_hybrid_backends.align.chunk_end` then stops
+- How: a decode step (the chunk starts at or past the prefill end, where vLLM's split returns
+  the count unchanged: ``tests/test_align.py`` checks it on the installed vLLM) returns at
+  once, the scheduler calls this for every running request each step. Otherwise the original
+  decides the chunk; :func:`vllm_hybrid_backends.align.chunk_end` then stops
   it at the first tail checkpoint inside it (``VLLM_HYBRID_TAIL_CHECKPOINTS``) and floors a
   non-final end to the scheduler's LCM block (``VLLM_HYBRID_MAMBA_GRID``). Tail kinds the
   retention ledger does not admit for the request are not stopped at
@@ -67,15 +70,15 @@ def missing() -> list[str]:
 def _mamba_block_aligned_split(self: Any, request: Any, num_new_tokens: int,
                                num_new_local_computed_tokens: int = 0,
                                num_external_computed_tokens: int = 0) -> int:
-    scheduled = _ORIGINALS["_mamba_block_aligned_split"](
-        self, request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
     start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
     prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-    if scheduled <= 0 or start >= prefill_end:
+    if start >= prefill_end:  # decoding: vLLM splits only prefills, the count stays
+        return num_new_tokens
+    scheduled = _ORIGINALS["_mamba_block_aligned_split"](
+        self, request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
+    if scheduled <= 0:
         return scheduled
-    policy = align.policy_for_model(
-        align.active_policy(),
-        internal_prefill_checkpoints=getattr(self, "mamba_has_prefill_checkpoint_blocks", False))
+    policy, interior_states = _split_policy(self)
     admitted = None
     if policy.adaptive_retention:
         ledger = coordinator_patch.state_of(self.kv_cache_manager.coordinator).ledger
@@ -83,8 +86,22 @@ def _mamba_block_aligned_split(self: Any, request: Any, num_new_tokens: int,
     end = align.chunk_end(start, start + scheduled, request.num_prompt_tokens, prefill_end,
                           split_block_size=self.cache_config.block_size,
                           state_block_size=self.block_size, policy=policy, admitted=admitted,
-                          interior_states=policy.interior_states and _stores_interior(self))
+                          interior_states=interior_states)
     return max(end - start, 0)
+
+
+def _split_policy(scheduler: Any) -> tuple[align.AlignPolicy, bool]:
+    """The active policy as it applies to the scheduler's model, and whether the forward
+    stores tail checkpoints inside the chunk (so chunks are not stopped at them); derived once
+    per active policy."""
+    active = align.active_policy()
+    known = scheduler.__dict__.get("_hybrid_split_policy")
+    if known is None or known[0] is not active:
+        policy = align.policy_for_model(active, internal_prefill_checkpoints=getattr(
+            scheduler, "mamba_has_prefill_checkpoint_blocks", False))
+        known = scheduler._hybrid_split_policy = (
+            active, policy, policy.interior_states and _stores_interior(scheduler))
+    return known[1], known[2]
 
 
 def _stores_interior(scheduler: Any) -> bool:
