@@ -180,3 +180,19 @@ def test_doctor_names_the_fallback_where_the_forward_cannot_store_them(fresh_plu
     monkeypatch.setenv("VLLM_HYBRID_INTERIOR_STATES", "0")
     rows = _tail_states(capsys)
     assert rows["GDN_ATTN"]["how"] == "chunk splits (VLLM_HYBRID_INTERIOR_STATES=0)"
+
+
+def test_doctor_says_which_mamba_cache_mode_vllm_picks_and_that_the_plugin_keeps_it(fresh_plugins, capsys):
+    from typing import get_args
+
+    from vllm.config.cache import MambaCacheMode
+
+    status, out, _ = run_doctor(capsys, "--json")
+    note = json.loads(out)["mamba_cache_mode_default"]
+    if "all" in get_args(MambaCacheMode):  # vLLM 0.23-0.29: Mamba2-family models default to "all"
+        assert note.startswith("'all' for models that support Mamba prefix caching")
+        assert "keeps vLLM's choice" in note
+    else:
+        assert note.startswith("align for every hybrid model")
+    assert status == 0
+    assert note in run_doctor(capsys)[1]
