@@ -199,12 +199,13 @@ def mamba_cache_mode_default() -> str | None:
     # supports_mamba_prefix_caching (the Mamba2 family), else "align". "all" caches the state at
     # every block (a Mamba page per block of every running request, and per request
     # cdiv(max_model_len, block_size) pages in vLLM's memory check, against 2 for align); align
-    # on these versions caches it only at chunk ends (no prefill checkpoint), so it would lower
-    # the hit rate: the plugin keeps vLLM's choice and never overrides the user's.
+    # on these versions caches it only at chunk ends and the plugin's split points (no prefill
+    # checkpoint), fewer reusable states: the plugin keeps vLLM's choice, never the user's.
     return ("'all' for models that support Mamba prefix caching (the Mamba2 family: a state "
             "cached at every block, one Mamba page per block), 'align' for the others (GDN); "
-            "the plugin keeps vLLM's choice (align would lower the hit rate here: no prefill "
-            "checkpoint) and its align policy applies only to align-mode groups; "
+            "the plugin keeps vLLM's choice (align caches fewer states here: chunk ends and "
+            "the plugin's split points, no prefill checkpoint) and its align policy applies "
+            "only to align-mode groups; "
             "--mamba-cache-mode align trades hits for memory")
 
 
