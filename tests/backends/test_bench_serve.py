@@ -204,20 +204,24 @@ def test_vllm_timed_trace_reads_the_trace(bench, tmp_path):
     vllm_bench.add_cli_args(parser)
     args = parser.parse_args(bench.bench_serve_argv("timed_trace", server, args_ns))
     assert args.max_concurrency is None and args.num_prompts == len(trace)
-    samples = TimedTrace(**vars(args)).sample(get_tokenizer(str(tmp_path)), args.num_prompts)
+    tokenizer = get_tokenizer(str(tmp_path))
+    samples = TimedTrace(**vars(args)).sample(tokenizer, args.num_prompts)
     assert len(samples) == len(trace)
-    for sample, row in zip(samples, trace, strict=True):
-        assert sample.prompt_len == row["input_length"] == len(sample.prompt)
+    # vLLM 0.23's TimedTrace hands each prompt over as decoded text, later ones as token ids
+    prompts = [tokenizer.encode(s.prompt, add_special_tokens=False) if isinstance(s.prompt, str)
+               else s.prompt for s in samples]
+    for sample, prompt, row in zip(samples, prompts, trace, strict=True):
+        assert sample.prompt_len == row["input_length"] == len(prompt)
         assert sample.timestamp == pytest.approx(row["timestamp"] / 1e3)
     by_block = bench.TRACE_BLOCK
-    for i, (a, ra) in enumerate(zip(samples, trace, strict=True)):
-        for b, rb in zip(samples[:i], trace[:i], strict=True):
+    for i, (a, ra) in enumerate(zip(prompts, trace, strict=True)):
+        for b, rb in zip(prompts[:i], trace[:i], strict=True):
             shared = len(_common(ra["hash_ids"], rb["hash_ids"]))
             full = min(shared, ra["input_length"] // by_block, rb["input_length"] // by_block)
-            assert a.prompt[:full * by_block] == b.prompt[:full * by_block]
+            assert a[:full * by_block] == b[:full * by_block]
             if full < min(len(ra["hash_ids"]), len(rb["hash_ids"])):
                 end = (full + 1) * by_block
-                assert a.prompt[full * by_block:end] != b.prompt[full * by_block:end]
+                assert a[full * by_block:end] != b[full * by_block:end]
 
 
 # --- greedy identity against the no-cache server ------------------------------------------------

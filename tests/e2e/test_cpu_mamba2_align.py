@@ -17,9 +17,10 @@ import pytest
 
 from vllm_hybrid_backends.compat import version_allows
 from vllm_hybrid_backends.testing.engine import EngineError, run_engine
-from vllm_hybrid_backends.testing.model_zoo import ZOO, build_model
+from vllm_hybrid_backends.testing.model_zoo import ZOO, build_model, engine_gap
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.skipif(engine_gap("granite_hybrid") is not None, reason=str(engine_gap("granite_hybrid")))]
 
 MODEL = "granite_hybrid"  # GraniteMoeHybrid: 3 Mamba2 layers + 1 attention layer, fp32
 ENGINE = {"max_model_len": 4096, "kv_cache_memory_bytes": 512 * 1024 * 1024}

@@ -35,12 +35,16 @@ def _evicting_trace() -> Trace:
                                         arrival_s=30.0)])
 
 
-EVICTING_NOT_ON_023 = pytest.mark.skipif(version_allows("<0.26"), reason=(
-    "vLLM 0.23 (dense Mamba retention, vLLM's free order): in this 28-block pool no kept state "
-    "is reused before it is evicted (not diagnosed further)"))
+# The evicting pool. vLLM 0.23 keeps a running request's Mamba state at every block boundary
+# (dense retention; 0.26+ keeps only the states it may reuse), so each filler holds about twice
+# the blocks it holds on later versions: in 28 blocks the fillers evict every state "a" kept
+# before "b" and "c" arrive (measured on 0.23: kept 17, evicted 15, reused 0, no hit under
+# either policy) and the case has nothing to compare. 44 blocks still evict there (evicted 12)
+# while a kept state is reused.
+EVICTING_BLOCKS = 28 if version_allows(">=0.26") else 44
 
 
-@pytest.mark.parametrize("cache_tokens", [pytest.param(8 * 28, id="evicting", marks=EVICTING_NOT_ON_023),
+@pytest.mark.parametrize("cache_tokens", [pytest.param(8 * EVICTING_BLOCKS, id="evicting"),
                                           pytest.param(4096, id="roomy")])
 def test_online_miss_counters_match_the_replay_attribution(monkeypatch, cache_tokens):
     monkeypatch.setenv(stats.STATS_ENV, "1")

