@@ -603,7 +603,12 @@ def test_decode_states_default_by_kind(monkeypatch, kind, setting, resumes_past_
     result = run_replay(trace, _tiny(shape=tiny_shape(kind=kind)), get_policy("plugin"))
     assert result.mismatches == []
     hit = result.requests["b"].hit_tokens
-    assert hit == (48 if resumes_past_answer else 32), hit
+    # vLLM 0.23 keeps every decode-boundary state itself (no retention interval for Mamba), so
+    # there upstream resumes past the answer too and the setting only decides what is added
+    upstream = run_replay(trace, _tiny(shape=tiny_shape(kind=kind)), get_policy("upstream"))
+    upstream_hit = upstream.requests["b"].hit_tokens
+    assert upstream_hit in (32, 48) and upstream.mismatches == []
+    assert hit == max(48 if resumes_past_answer else 32, upstream_hit), (hit, upstream_hit)
 
 
 @needs_mamba2_checkpoint
