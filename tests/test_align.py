@@ -407,11 +407,15 @@ def _block(block_id, hashed):
 
     block = KVCacheBlock(block_id=block_id)
     if hashed:
-        if hasattr(block, "set_block_hash"):
-            block.set_block_hash(f"h{block_id}".encode(), num_tokens=16)
-        else:  # vLLM 0.23: a plain property, no token count
-            block.block_hash = f"h{block_id}".encode()
+        _set_hash(block, f"h{block_id}".encode())
     return block
+
+
+def _set_hash(block, block_hash: bytes) -> None:
+    if hasattr(block, "set_block_hash"):
+        block.set_block_hash(block_hash, num_tokens=16)
+    else:  # vLLM 0.23: a plain property, no token count
+        block.block_hash = block_hash
 
 
 def test_probation_blocks_go_after_the_uncached_free_blocks_before_every_cached_one():
@@ -459,7 +463,7 @@ def test_deferred_probation_skips_blocks_hit_or_reused_meanwhile():
                                                 [hit, reused])
     queue.remove(hit)  # a later request's hit took it out of the free queue
     reused.reset_hash()  # evicted and cached again under another key
-    reused.set_block_hash(b"other", num_tokens=16)
+    _set_hash(reused, b"other")
     popped = queue.popleft_n(len(uncached) + 1)
     assert popped[-1] is kept_by_vllm and _ids(queue) == [101]
 

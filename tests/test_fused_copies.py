@@ -45,6 +45,9 @@ GROUPS = (1, 2)  # Mamba groups; group 0 is attention
 @pytest.fixture
 def fused_patch(monkeypatch):
     """Apply the patch for one test and restore vLLM's module and context class afterwards."""
+    lacking = copy_patch._context_problems(mamba_utils)
+    if lacking:  # vLLM 0.23/0.26: an earlier context design, whose fused kernels stay vLLM's
+        pytest.skip("this vLLM's fused spec-decode context has no " + ", ".join(lacking))
     for name in copy_patch.TARGET_SYMBOLS:
         owner, _, attr = name.rpartition(".")
         host = getattr(mamba_utils, owner) if owner else mamba_utils

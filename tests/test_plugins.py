@@ -85,9 +85,18 @@ def test_invalid_backend_names_the_allowed_values(fresh_plugins, monkeypatch):
         fresh_plugins.selected_backend()
 
 
-def test_unavailable_backend_is_an_error_with_its_reason(fresh_plugins, monkeypatch):
+@pytest.mark.parametrize("cuda_torch, reason", [
+    pytest.param(False, "torch is not a CUDA build", id="cpu-torch"),
+    pytest.param(True, r"no CUDA device visible \(check CUDA_VISIBLE_DEVICES\)", id="cuda-torch-no-gpu"),
+])
+def test_unavailable_backend_is_an_error_with_its_reason(fresh_plugins, monkeypatch, cuda_torch, reason):
+    from vllm_hybrid_backends.backends.triton import backend
+
+    # the same on every host, whichever torch build it has
+    monkeypatch.setitem(backend._TORCH_BUILDS, "cuda", lambda: cuda_torch)
+    monkeypatch.setattr(backend, "gpu_count", lambda: 0)
     monkeypatch.setenv("VLLM_HYBRID_BACKEND", "cuda")
-    with pytest.raises(fresh_plugins.BackendSelectionError, match="'cuda' is not available here: torch is not a CUDA build"):
+    with pytest.raises(fresh_plugins.BackendSelectionError, match=f"'cuda' is not available here: {reason}$"):
         fresh_plugins.selected_backend()
 
 

