@@ -22,7 +22,7 @@ the block table alone, so the engine and the workers need no other channel:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 #: vLLM's null block: the KV-cache manager pads the columns a chunk skips with it.
@@ -89,6 +89,43 @@ def checkpoints_of_rows(block_table: Any, query_start_loc: Any, seq_lens: Any, r
         if points:
             found[row] = (start, points)
     return found
+
+
+def crossed_boundaries(query_start_loc: Any, seq_lens: Any, rows: range,
+                       block_size: int, width: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(row, column, row's first token, offset into its chunk)`` of every aligned boundary
+    strictly inside each row's chunk (:func:`crossed_columns`, columns below ``width``), in
+    row then column order; ``query_start_loc`` and ``seq_lens`` are host tensors."""
+    for row in rows:
+        first_token = int(query_start_loc[row])
+        start = int(seq_lens[row]) - (int(query_start_loc[row + 1]) - first_token)
+        first, last = crossed_columns(start, int(seq_lens[row]), block_size)
+        for column in range(first, min(width, last)):
+            yield row, column, first_token, (column + 1) * block_size - start
+
+
+def device_plan(block_table: Any, rows: list[int], cols: list[int], token_end: list[int],
+                seq_start: list[int], temporal_row: list[int],
+                dst_block: Any = None) -> InteriorPlan:
+    """The :class:`InteriorPlan` of host candidate lists, its tensors where ``block_table``
+    lives; the destinations are gathered from the table (:func:`destinations`) unless given."""
+    import torch
+
+    from .types import CheckpointBatch
+
+    device = block_table.device
+
+    def as_long(values: list[int]) -> Any:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    request_rows, block_cols = as_long(rows), as_long(cols)
+    if dst_block is None:
+        dst_block = destinations(block_table, request_rows, block_cols)
+    batch = CheckpointBatch(token_end=as_long(token_end), seq_start=as_long(seq_start),
+                            initial_block=torch.full((len(rows),), -1, dtype=torch.long,
+                                                     device=device),
+                            dst_block=dst_block, temporal_row=as_long(temporal_row))
+    return InteriorPlan(batch, request_rows, block_cols)
 
 
 def destinations(block_table: Any, request_rows: Any, block_cols: Any) -> Any:

@@ -78,50 +78,33 @@ def plan_device_states(block_table: Any, query_start_loc: Any, seq_lens: Any, fi
     ``temporal_row`` indexes FLA's per-chunk states of the prefill rows (chunks of
     ``chunk_size`` tokens counted from each row's first token, rows one after another);
     ``token_end`` / ``seq_start`` index the step's token-major input (decodes first)."""
-    import torch
-
-    from ..types import CheckpointBatch
-
-    width = block_table.shape[1]
+    prefill_rows = range(first_row, first_row + num_prefills)
+    chunks_before: dict[int, int] = {}  # row -> FLA chunks of the prefill rows before it
+    total = 0
+    for r in prefill_rows:
+        chunks_before[r] = total
+        total += -(-(int(query_start_loc[r + 1]) - int(query_start_loc[r])) // chunk_size)
     rows: list[int] = []
     cols: list[int] = []
     token_end: list[int] = []
     seq_start: list[int] = []
     chunk_rows: list[int] = []
-    chunks_before = 0
-    for r in range(first_row, first_row + num_prefills):
-        first_token = int(query_start_loc[r])
-        query_len = int(query_start_loc[r + 1]) - first_token
-        start = int(seq_lens[r]) - query_len
-        first, last = interior.crossed_columns(start, start + query_len, block_size)
-        for c in range(first, min(width, last)):
-            offset = (c + 1) * block_size - start
-            if offset % chunk_size:
-                raise ValueError(
-                    f"GDN interior state at offset {offset} of request row {r} (chunk from token "
-                    f"{start}) is not a multiple of FLA's chunk size {chunk_size}: block size "
-                    f"{block_size} must be a multiple of {chunk_size} and chunks must start at "
-                    "block boundaries")
-            rows.append(r)
-            cols.append(c)
-            seq_start.append(first_token)
-            token_end.append(first_token + offset)
-            chunk_rows.append(chunks_before + offset // chunk_size)
-        chunks_before += -(-query_len // chunk_size)
+    for r, c, first_token, offset in interior.crossed_boundaries(
+            query_start_loc, seq_lens, prefill_rows, block_size, block_table.shape[1]):
+        if offset % chunk_size:
+            raise ValueError(
+                f"GDN interior state at offset {offset} of request row {r} (chunk from token "
+                f"{(c + 1) * block_size - offset}) is not a multiple of FLA's chunk size "
+                f"{chunk_size}: block size {block_size} must be a multiple of {chunk_size} and "
+                "chunks must start at block boundaries")
+        rows.append(r)
+        cols.append(c)
+        seq_start.append(first_token)
+        token_end.append(first_token + offset)
+        chunk_rows.append(chunks_before[r] + offset // chunk_size)
     if not rows:
         return None
-    device = block_table.device
-
-    def as_long(values: list[int]) -> Any:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    request_rows, block_cols = as_long(rows), as_long(cols)
-    batch = CheckpointBatch(token_end=as_long(token_end), seq_start=as_long(seq_start),
-                            initial_block=torch.full((len(rows),), -1, dtype=torch.long,
-                                                     device=device),
-                            dst_block=interior.destinations(block_table, request_rows, block_cols),
-                            temporal_row=as_long(chunk_rows))
-    return interior.InteriorPlan(batch, request_rows, block_cols)
+    return interior.device_plan(block_table, rows, cols, token_end, seq_start, chunk_rows)
 
 
 def build(self: Any, common_prefix_len: int, common_attn_metadata: Any, *args: Any,

@@ -55,7 +55,6 @@ _ORIGINALS: dict[str, Any] = {}
 
 
 InteriorPlan = interior.InteriorPlan
-_destinations = interior.destinations
 
 
 def _builder_class() -> Any:
@@ -105,46 +104,33 @@ def plan_interior_states(block_table: Any, query_start_loc: Any, seq_lens: Any, 
     ``compute_chunk_metadata`` is vLLM's ``_compute_chunk_metadata`` (the chunk table the scan
     runs over, so each boundary's chunk index is the one vLLM's scan returns its state at).
     """
-    import torch
-
-    from ..types import CheckpointBatch
-
-    width = block_table.shape[1]
     rows, cols, token_end, seq_start, ends = [], [], [], [], []
-    for p in range(num_prefills):
-        r = first_row + p
-        first_token = int(query_start_loc[r])
-        query_len = int(query_start_loc[r + 1]) - first_token
-        end = int(seq_lens[r])
-        start = end - query_len
-        skip = vllm_offsets[p] if vllm_offsets else 0
-        first, last = interior.crossed_columns(start, end, block_size)
-        for c in range(first, min(width, last)):
-            offset = (c + 1) * block_size - start
-            if offset == skip:
-                continue
-            rows.append(r)
-            cols.append(c)
-            seq_start.append(first_token - num_decode_tokens)
-            token_end.append(first_token - num_decode_tokens + offset)
-            ends.append((p, offset))
+    for r, c, first_token, offset in interior.crossed_boundaries(
+            query_start_loc, seq_lens, range(first_row, first_row + num_prefills), block_size,
+            block_table.shape[1]):
+        p = r - first_row
+        if vllm_offsets and offset == vllm_offsets[p]:
+            continue
+        rows.append(r)
+        cols.append(c)
+        seq_start.append(first_token - num_decode_tokens)
+        token_end.append(first_token - num_decode_tokens + offset)
+        ends.append((p, offset))
     if not rows:
         return None
-    device = block_table.device
+    blocks = None
+    if prune_on_host if prune_on_host is not None else block_table.device.type == "cpu":
+        import torch
 
-    def as_long(values: list[int]) -> Any:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    request_rows, block_cols = as_long(rows), as_long(cols)
-    blocks = _destinations(block_table, request_rows, block_cols)
-    if prune_on_host if prune_on_host is not None else device.type == "cpu":
-        kept = [k for k, block in enumerate(blocks.tolist()) if block >= 0]
+        index = torch.tensor([rows, cols], dtype=torch.long, device=block_table.device)
+        all_blocks = interior.destinations(block_table, index[0], index[1])
+        kept = [k for k, block in enumerate(all_blocks.tolist()) if block >= 0]
         if not kept:
             return None
         rows, cols = [rows[k] for k in kept], [cols[k] for k in kept]
         seq_start, token_end = [seq_start[k] for k in kept], [token_end[k] for k in kept]
         ends = [ends[k] for k in kept]
-        request_rows, block_cols, blocks = as_long(rows), as_long(cols), blocks[kept]
+        blocks = all_blocks[kept]
     query_start_p = query_start_loc[first_row: first_row + num_prefills + 1] - num_decode_tokens
     computed_p = seq_lens[first_row: first_row + num_prefills] - (query_start_p[1:] -
                                                                     query_start_p[:-1])
@@ -161,11 +147,7 @@ def plan_interior_states(block_table: Any, query_start_loc: Any, seq_lens: Any, 
                 f"(block size {block_size}, SSD chunk size {chunk_size}): the block size must be "
                 "a multiple of the chunk size")
         chunks.append(chunk_ending[(p, offset)])
-    batch = CheckpointBatch(token_end=as_long(token_end), seq_start=as_long(seq_start),
-                            initial_block=torch.full((len(rows),), -1, dtype=torch.long,
-                                                     device=device),
-                            dst_block=blocks, temporal_row=as_long(chunks))
-    return InteriorPlan(batch, request_rows, block_cols)
+    return interior.device_plan(block_table, rows, cols, token_end, seq_start, chunks, blocks)
 
 
 def _empty_checkpoint(m: Any, first_row: int, num_prefills: int) -> Any:
