@@ -266,6 +266,21 @@ def test_every_patch_applies_to_the_installed_vllm():
                     or status.reason == "VLLM_HYBRID_STATS is off"), status
 
 
+def test_mamba2_checkpoint_patches_agree_on_whether_vllm_has_the_checkpoint():
+    # vLLM 0.31 ships mamba/checkpoint.py for KDA only: its Mamba2 has no prefill checkpoint,
+    # so the metadata patch must be "not needed" exactly where the store patch is
+    from vllm_hybrid_backends.patches import (
+        patch_vllm_model_executor_layers_mamba_mamba_mixer2 as store_patch,
+    )
+    from vllm_hybrid_backends.patches import (
+        patch_vllm_v1_attention_backends_mamba2_attn as metadata_patch,
+    )
+
+    store_unneeded = patches.check(store_patch).state == patches.NOT_NEEDED
+    assert (patches.check(metadata_patch).state == patches.NOT_NEEDED) == store_unneeded
+    assert metadata_patch.has_mamba2_checkpoint_meta() == (not store_unneeded)
+
+
 def test_applicable_patches_say_what_they_leave_to_this_vllm():
     from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
 
