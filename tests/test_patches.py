@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from vllm_hybrid_backends import hookimpl, patches
-from vllm_hybrid_backends.compat import installed_vllm_version, version_allows
+from vllm_hybrid_backends.compat import (
+    has_mamba2_prefill_checkpoint,
+    installed_vllm_version,
+    version_allows,
+)
 from vllm_hybrid_backends.patches import patch_vllm_platforms as platform_patch
 from vllm_hybrid_backends.patches import patch_vllm_v1_worker_mamba_utils as copy_patch
 from vllm_hybrid_backends.types import Availability, BackendIdentity, DeviceKind
@@ -278,7 +282,7 @@ def test_mamba2_checkpoint_patches_agree_on_whether_vllm_has_the_checkpoint():
 
     store_unneeded = patches.check(store_patch).state == patches.NOT_NEEDED
     assert (patches.check(metadata_patch).state == patches.NOT_NEEDED) == store_unneeded
-    assert metadata_patch.has_mamba2_checkpoint_meta() == (not store_unneeded)
+    assert has_mamba2_prefill_checkpoint() == (not store_unneeded)
 
 
 def test_applicable_patches_say_what_they_leave_to_this_vllm():

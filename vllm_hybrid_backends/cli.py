@@ -177,9 +177,9 @@ def tail_state_paths(version: str | None) -> list[dict[str, Any]]:
     except ValueError as exc:
         return [{"kind": kind, "inside_chunk": False, "how": str(exc)} for kind, _ in MAMBA_KINDS]
     platform = _vllm_platform()
-    from .patches.patch_vllm_v1_attention_backends_mamba2_attn import has_mamba2_checkpoint_meta
+    from .compat import has_mamba2_prefill_checkpoint
 
-    has_checkpoint = has_mamba2_checkpoint_meta()
+    has_checkpoint = has_mamba2_prefill_checkpoint()
     from . import handshake
 
     expected = handshake.expected_here()  # established per engine at its start; see doctor

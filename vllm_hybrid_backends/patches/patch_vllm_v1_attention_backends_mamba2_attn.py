@@ -39,6 +39,7 @@ import importlib
 from typing import Any
 
 from .. import interior
+from ..compat import has_mamba2_prefill_checkpoint
 
 TARGET_MODULE = "vllm.v1.attention.backends.mamba2_attn"
 TARGET_SYMBOLS = ("Mamba2AttentionMetadataBuilder.build",
@@ -62,23 +63,13 @@ def _builder_class() -> Any:
     return importlib.import_module(TARGET_MODULE).Mamba2AttentionMetadataBuilder
 
 
-def has_mamba2_checkpoint_meta() -> bool:
-    """Whether vLLM's Mamba2 metadata carries a prefill checkpoint (``checkpoint_meta``, from
-    0.32). vLLM 0.31 has ``mamba/checkpoint.py`` already, but only its KDA layers use it."""
-    try:
-        metadata_cls = importlib.import_module(TARGET_MODULE).Mamba2AttentionMetadata
-        return "checkpoint_meta" in {f.name for f in dataclasses.fields(metadata_cls)}
-    except Exception:
-        return False
-
-
 def not_needed() -> str | None:
     """vLLM before 0.32 has no Mamba2 prefill checkpoint to carry the interior states."""
     try:
         importlib.import_module(TARGET_MODULE)
     except Exception:
         return None  # missing() names the import problem
-    if not has_mamba2_checkpoint_meta():
+    if not has_mamba2_prefill_checkpoint():
         return ("this vLLM's Mamba2AttentionMetadata has no prefill checkpoint "
                 "(checkpoint_meta, added in 0.32)")
     return None
