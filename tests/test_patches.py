@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from vllm_hybrid_backends import hookimpl, patches
-from vllm_hybrid_backends.compat import installed_vllm_version, version_allows
+from vllm_hybrid_backends.compat import (
+    has_mamba2_prefill_checkpoint,
+    installed_vllm_version,
+    version_allows,
+)
 from vllm_hybrid_backends.patches import patch_vllm_platforms as platform_patch
 from vllm_hybrid_backends.patches import patch_vllm_v1_worker_mamba_utils as copy_patch
 from vllm_hybrid_backends.types import Availability, BackendIdentity, DeviceKind
@@ -264,6 +268,21 @@ def test_every_patch_applies_to_the_installed_vllm():
             assert status.reason
             assert (patches.is_optional(module) or version_allows("<0.32")
                     or status.reason == "VLLM_HYBRID_STATS is off"), status
+
+
+def test_mamba2_checkpoint_patches_agree_on_whether_vllm_has_the_checkpoint():
+    # vLLM 0.31 ships mamba/checkpoint.py for KDA only: its Mamba2 has no prefill checkpoint,
+    # so the metadata patch must be "not needed" exactly where the store patch is
+    from vllm_hybrid_backends.patches import (
+        patch_vllm_model_executor_layers_mamba_mamba_mixer2 as store_patch,
+    )
+    from vllm_hybrid_backends.patches import (
+        patch_vllm_v1_attention_backends_mamba2_attn as metadata_patch,
+    )
+
+    store_unneeded = patches.check(store_patch).state == patches.NOT_NEEDED
+    assert (patches.check(metadata_patch).state == patches.NOT_NEEDED) == store_unneeded
+    assert has_mamba2_prefill_checkpoint() == (not store_unneeded)
 
 
 def test_applicable_patches_say_what_they_leave_to_this_vllm():

@@ -177,13 +177,15 @@ def tail_state_paths(version: str | None) -> list[dict[str, Any]]:
     except ValueError as exc:
         return [{"kind": kind, "inside_chunk": False, "how": str(exc)} for kind, _ in MAMBA_KINDS]
     platform = _vllm_platform()
-    has_checkpoint = importlib.util.find_spec("vllm.model_executor.layers.mamba.checkpoint")
+    from .compat import has_mamba2_prefill_checkpoint
+
+    has_checkpoint = has_mamba2_prefill_checkpoint()
     from . import handshake
 
     expected = handshake.expected_here()  # established per engine at its start; see doctor
     rows = []
     for kind, vllm_checkpoint in MAMBA_KINDS:
-        vllm_checkpoint = vllm_checkpoint and has_checkpoint is not None  # Mamba2 from 0.32
+        vllm_checkpoint = vllm_checkpoint and has_checkpoint  # Mamba2 from 0.32
         spec = types.SimpleNamespace(mamba_cache_mode="align", num_speculative_blocks=0,
                                      num_prefill_checkpoint_blocks=int(vllm_checkpoint),
                                      mamba_type=types.SimpleNamespace(name=kind))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import importlib.metadata
 import inspect
 
@@ -97,3 +99,15 @@ def version_allows(specifier: str, version: str | None = None) -> bool:
         return Version(Version(version).base_version) in SpecifierSet(specifier)
     except InvalidVersion:
         return False
+
+
+def has_mamba2_prefill_checkpoint() -> bool:
+    """Whether this vLLM stores a Mamba2 state inside a prefill chunk (0.32+: the Mamba2
+    metadata carries ``checkpoint_meta``). vLLM 0.31 ships ``layers/mamba/checkpoint.py``
+    already, but only its KDA layers use it, so that module's presence proves nothing."""
+    try:
+        metadata = importlib.import_module("vllm.v1.attention.backends.mamba2_attn")
+        fields = dataclasses.fields(metadata.Mamba2AttentionMetadata)
+    except Exception:
+        return False
+    return any(f.name == "checkpoint_meta" for f in fields)

@@ -20,7 +20,7 @@ import types
 import pytest
 import torch
 
-from vllm_hybrid_backends import plugins, reference
+from vllm_hybrid_backends import patches, plugins, reference
 from vllm_hybrid_backends.backends.triton import tuning
 from vllm_hybrid_backends.backends.triton.backend import TritonBackend
 from vllm_hybrid_backends.hookspecs import hookimpl
@@ -39,6 +39,16 @@ layer_utils = pytest.importorskip("vllm.model_executor.layers.mamba.mamba_utils"
 mamba_attn = pytest.importorskip("vllm.v1.attention.backends.mamba_attn")
 
 FORCED = "triton-interpreted"
+
+
+def needs_patch(module):
+    """Skip where ``module`` is not needed on this vLLM, with the patch's own reason (vLLM 0.31:
+    no Mamba2 prefill checkpoint, no device GDN interior states)."""
+    status = patches.check(module)
+    return pytest.mark.skipif(status.state == patches.NOT_NEEDED,
+                              reason=f"{status.name} is not needed here: {status.reason}")
+
+
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 LAYOUTS = [pytest.param(False, id="conv-SD"), pytest.param(True, id="conv-DS")]
 
@@ -164,6 +174,7 @@ CHUNK, BLOCK, KERNEL, M_DIM = 16, 32, 4, 8
 M_HEADS, HEAD_DIM, D_STATE = 2, 4, 8
 
 
+@needs_patch(mamba2_plan)
 @pytest.mark.parametrize("dim_first", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mamba2_interior_states_through_triton_equal_the_reference(forced_triton, monkeypatch, rng, dim_first,
@@ -221,6 +232,7 @@ cpu_ssm = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.mamba_ss
 SCAN_TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 states: chunked vs one scan, to float rounding
 
 
+@needs_patch(mamba2_plan)
 @pytest.mark.slow  # the interpreted scan runs in a child process that imports vLLM
 def test_mamba2_interior_states_from_vllms_triton_scan_equal_a_prefix_forward(
         forced_triton, vllm_triton_ssd_scan, monkeypatch, rng):
@@ -347,6 +359,7 @@ def test_gdn_device_plan_finds_each_boundarys_chunk_state_and_block(rng):
                                     GDN_BLOCK)
 
 
+@needs_patch(gdn_layer)
 @pytest.mark.slow  # vLLM's FLA kernels run interpreted in a child process (~3 min)
 def test_gdn_interior_states_from_vllms_fla_chunk_kernel_equal_a_prefix_forward(
         forced_triton, vllm_fla_chunk, monkeypatch, rng):

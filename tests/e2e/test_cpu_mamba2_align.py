@@ -8,14 +8,13 @@ outputs for the repeated prompt show that stored state is right.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
 
 import pytest
 
-from vllm_hybrid_backends.compat import version_allows
+from vllm_hybrid_backends.compat import has_mamba2_prefill_checkpoint, version_allows
 from vllm_hybrid_backends.testing.engine import EngineError, run_engine
 from vllm_hybrid_backends.testing.model_zoo import ZOO, build_model, engine_gap
 
@@ -40,8 +39,9 @@ def _run(prompts, *, prefix_caching: bool, plugins: str, env=None):
                       max_tokens=MAX_TOKENS, extra_llm_kwargs=ENGINE, plugins=plugins, env=env)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm.model_executor.layers.mamba.checkpoint") is None,
-                    reason="before 0.32 vLLM has no Mamba2 prefill checkpoint, the path that crashes")
+@pytest.mark.skipif(not has_mamba2_prefill_checkpoint(), reason=(
+    "before 0.32 vLLM has no Mamba2 prefill checkpoint (Mamba2AttentionMetadata.checkpoint_meta), "
+    "the path that crashes"))
 def test_mamba2_align_mode_crashes_without_the_plugin():
     with pytest.raises(EngineError) as failure:
         _run(_prompts()[:1], prefix_caching=True, plugins="")

@@ -6,14 +6,13 @@ imported; the full-size default run is exercised by ``test_cli.py``.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from vllm_hybrid_backends import hookimpl, plugins, reference
-from vllm_hybrid_backends.compat import version_allows
+from vllm_hybrid_backends.compat import has_mamba2_prefill_checkpoint, version_allows
 from vllm_hybrid_backends.replay.harness import ReplayConfig, ReplayError, run_replay
 from vllm_hybrid_backends.replay.metrics import ideal_hits, policy_metrics
 from vllm_hybrid_backends.replay.policy import get_policy
@@ -304,8 +303,9 @@ def test_mamba_block_smaller_than_attention_block_keeps_states_exact():
 
 #: Mamba2's internal prefill checkpoint exists from vLLM 0.32 on
 needs_mamba2_checkpoint = pytest.mark.skipif(
-    importlib.util.find_spec("vllm.model_executor.layers.mamba.checkpoint") is None,
-    reason="this vLLM has no Mamba2 prefill checkpoint (added in 0.32)")
+    not has_mamba2_prefill_checkpoint(),
+    reason="this vLLM has no Mamba2 prefill checkpoint (Mamba2AttentionMetadata.checkpoint_meta, "
+           "added in 0.32; 0.31's layers/mamba/checkpoint.py serves KDA only)")
 
 
 def upstream_bug(raises, reason, *, plugin_gap=None):

@@ -39,6 +39,7 @@ import importlib
 from typing import Any
 
 from .. import interior
+from ..compat import has_mamba2_prefill_checkpoint
 
 TARGET_MODULE = "vllm.v1.attention.backends.mamba2_attn"
 TARGET_SYMBOLS = ("Mamba2AttentionMetadataBuilder.build",
@@ -63,10 +64,13 @@ def _builder_class() -> Any:
 
 def not_needed() -> str | None:
     """vLLM before 0.32 has no Mamba2 prefill checkpoint to carry the interior states."""
-    import importlib.util
-
-    if importlib.util.find_spec(CHECKPOINT_MODULE) is None:
-        return "this vLLM has no Mamba2 prefill checkpoint metadata (added in 0.32)"
+    try:
+        importlib.import_module(TARGET_MODULE)
+    except Exception:
+        return None  # missing() names the import problem
+    if not has_mamba2_prefill_checkpoint():
+        return ("this vLLM's Mamba2AttentionMetadata has no prefill checkpoint "
+                "(checkpoint_meta, added in 0.32)")
     return None
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..compat import has_mamba2_prefill_checkpoint
 from .shapes import ModelShape
 
 __all__ = ["EngineSetup", "KVLayout", "ReplayVersionError", "build_engine_setup",
@@ -221,7 +222,7 @@ def _layer_specs(shape: ModelShape, layout: KVLayout) -> dict[str, Any]:
                 head_size=shape.head_size, dtype=dtypes[shape.dtype],
             )
         elif kind == "mamba" and not layout.attention_only:
-            checkpoint = state.prefill_checkpoint and _vllm_has_mamba2_checkpoint()
+            checkpoint = state.prefill_checkpoint and has_mamba2_prefill_checkpoint()
             specs[f"model.layers.{index}.mixer"] = MambaSpec(
                 shapes=state.shapes, dtypes=tuple(dtypes[d] for d in state.dtypes),
                 block_size=layout.mamba_block_size or layout.block_size,
@@ -253,13 +254,6 @@ def _prefill_checkpoint_fields(spec_class: Any, checkpoint: bool) -> dict[str, A
         return {}
     return {"num_prefill_checkpoint_blocks": 1 if checkpoint else 0,
             "prefill_checkpoint_alignment": 1 if checkpoint else None}
-
-
-def _vllm_has_mamba2_checkpoint() -> bool:
-    """vLLM 0.32+ exports Mamba2's state inside a prefill chunk; 0.30/0.31 do not."""
-    import importlib.util
-
-    return importlib.util.find_spec("vllm.model_executor.layers.mamba.checkpoint") is not None
 
 
 def _vllm_function(name: str) -> Any:
