@@ -25,12 +25,12 @@ def test_off_by_default_wraps_nothing(monkeypatch):
     from vllm.v1.metrics.stats import SchedulerStats
 
     monkeypatch.delenv(stats.STATS_ENV, raising=False)
-    make_stats, record = Scheduler.make_stats, PrometheusStatLogger.record
+    update, record = Scheduler.update_from_output, PrometheusStatLogger.record
     try:
         for module in (stats_patch, loggers_patch, scheduler_patch):
             module.apply()
         assert not stats.enabled
-        assert Scheduler.make_stats is make_stats and PrometheusStatLogger.record is record
+        assert Scheduler.update_from_output is update and PrometheusStatLogger.record is record
         assert "hybrid" not in SchedulerStats.__dataclass_fields__
     finally:
         for module in (scheduler_patch, loggers_patch, stats_patch):

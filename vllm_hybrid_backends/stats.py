@@ -12,8 +12,8 @@ counts, in :data:`COUNTERS`:
   hit could not reach, in chunks of the scheduler block, by the replay's reasons
   (:data:`MISS_REASONS`, see :mod:`vllm_hybrid_backends.replay.metrics`).
 
-The scheduler patch hands the change since its previous stats to ``SchedulerStats.hybrid``
-(:func:`take_delta`); the loggers patch adds it to ``vllm:hybrid_*`` counters and the log line.
+The scheduler patch hands the change since it last did to ``SchedulerStats.hybrid``
+(:func:`take_delta`) on a step with a request output; the loggers patch adds it to ``vllm:hybrid_*`` counters and the log line.
 Costs: a few dict updates when a Mamba block is cached or evicted and per lookup; nothing on
 a decode step that fills no block.
 """

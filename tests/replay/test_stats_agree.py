@@ -89,3 +89,41 @@ def test_a_replay_with_stats_on_leaves_scheduler_stats_as_it_was(monkeypatch):
                get_policy("plugin"))
     assert set(SchedulerStats.__dataclass_fields__) == before
     assert "hybrid" not in SchedulerStats.__dataclass_fields__
+
+
+def test_every_count_travels_with_a_request_output(monkeypatch):
+    """vLLM 0.23/0.26's offline ``LLMEngine.step`` records no stats of a step without a request
+    output (a prefill chunk that samples nothing): every count must reach the front-end on
+    steps with one, so such a front-end still sees all of them."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    delivered: dict[str, int] = {}
+    silent_steps = []
+    init = Scheduler.__init__
+
+    def init_logging_stats(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "log_stats": True})
+        update = self.update_from_output  # as patched by the plugin
+
+        def front_end_view(*args, **kwargs):
+            outputs = update(*args, **kwargs)
+            carrier = next(eco for eco in outputs.values() if eco.scheduler_stats is not None)
+            hybrid = getattr(carrier.scheduler_stats, "hybrid", None)
+            if carrier.outputs:
+                for name, value in (hybrid or {}).items():
+                    delivered[name] = delivered.get(name, 0) + value
+            else:
+                silent_steps.append(hybrid)
+            return outputs
+
+        self.update_from_output = front_end_view
+
+    monkeypatch.setattr(Scheduler, "__init__", init_logging_stats)
+    monkeypatch.setenv(stats.STATS_ENV, "1")
+    stats.reset()
+    run_replay(_evicting_trace(), _config(max_num_batched_tokens=16), get_policy("plugin"))
+    counted = {k: v for k, v in stats.COUNTERS.items() if v}
+    assert silent_steps, "no prefill chunk without an output: the case tests nothing"
+    assert all(hybrid is None for hybrid in silent_steps)
+    assert counted.get("kept:tail", 0) > 0 and counted.get("kept:vllm", 0) > 0, counted
+    assert delivered == counted

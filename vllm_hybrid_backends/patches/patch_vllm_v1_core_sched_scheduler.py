@@ -19,9 +19,13 @@
   forward stores tail checkpoints inside the chunk
   (``patch_vllm_v1_core_kv_cache_coordinator``), the chunk is not stopped at them. Only
   requests of models with Mamba groups in align mode are touched.
-- Stats: with ``VLLM_HYBRID_STATS=1``, ``Scheduler.make_stats`` also hands the change of
-  :mod:`vllm_hybrid_backends.stats` since its previous call to ``SchedulerStats.hybrid``
-  (field added by ``patch_vllm_v1_metrics_stats``); not wrapped otherwise.
+- Stats: with ``VLLM_HYBRID_STATS=1``, ``Scheduler.update_from_output`` also hands the change
+  of :mod:`vllm_hybrid_backends.stats` since it last did to the step's ``SchedulerStats.hybrid``
+  (field added by ``patch_vllm_v1_metrics_stats``), but only on a step whose stats travel with a
+  request output: the offline ``LLMEngine.step`` of vLLM 0.23 and 0.26 records no stats of a
+  step without one (``vllm/v1/engine/llm_engine.py:325`` in 0.26, ``len(outputs.outputs) > 0``;
+  0.31+ record every step), so the states kept by a prefill chunk that samples nothing were
+  lost there. Held back, they ride on the next step with an output. Not wrapped otherwise.
 - Upstream: vLLM #54076 (chunk ends off the Mamba grid, open); the agentic miss is §4(a) of
   ``vllm_map.md``; junction checkpoints #37898 only help the third request.
 - vLLM versions: 0.23.x, 0.26.x, 0.30.x-0.33.x (the method's signature is checked when it
@@ -40,7 +44,7 @@ from ..compat import signature_problem
 from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
 
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
-TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split", "Scheduler.make_stats")
+TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split", "Scheduler.update_from_output")
 PROCESS = "engine"
 VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
@@ -56,7 +60,7 @@ def missing() -> list[str]:
         cls = _scheduler_class()
     except Exception as exc:
         return [f"import {TARGET_MODULE}: {exc}"]
-    lacking = [f"Scheduler.{name}" for name in ("_mamba_block_aligned_split", "make_stats")
+    lacking = [f"Scheduler.{name}" for name in ("_mamba_block_aligned_split", "update_from_output")
                if not callable(getattr(cls, name, None))]
     if lacking:
         return lacking
@@ -118,19 +122,22 @@ def _stores_interior(scheduler: Any) -> bool:
     return known
 
 
-def make_stats(self: Any, *args: Any, **kwargs: Any) -> Any:
-    result = _ORIGINALS["make_stats"](self, *args, **kwargs)
-    if result is not None:
-        result.hybrid = stats.take_delta()
-    return result
+def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+    outputs = _ORIGINALS["update_from_output"](self, *args, **kwargs)
+    for eco in outputs.values():
+        if eco.scheduler_stats is not None:  # vLLM puts a step's stats on one front-end's outputs
+            if eco.outputs:
+                eco.scheduler_stats.hybrid = stats.take_delta()
+            break
+    return outputs
 
 
 def apply() -> None:
     align.refresh_policy()
     cls = _scheduler_class()
-    if stats.refresh() and cls.make_stats is not make_stats:
-        _ORIGINALS["make_stats"] = cls.make_stats
-        cls.make_stats = make_stats
+    if stats.refresh() and cls.update_from_output is not update_from_output:
+        _ORIGINALS["update_from_output"] = cls.update_from_output
+        cls.update_from_output = update_from_output
     current = cls._mamba_block_aligned_split
     if current is _mamba_block_aligned_split:
         return
@@ -139,7 +146,7 @@ def apply() -> None:
 
 
 def revert() -> None:
-    if "make_stats" in _ORIGINALS:
-        _scheduler_class().make_stats = _ORIGINALS.pop("make_stats")
+    if "update_from_output" in _ORIGINALS:
+        _scheduler_class().update_from_output = _ORIGINALS.pop("update_from_output")
     if "_mamba_block_aligned_split" in _ORIGINALS:
         _scheduler_class()._mamba_block_aligned_split = _ORIGINALS.pop("_mamba_block_aligned_split")
