@@ -98,6 +98,8 @@ def mamba2_store_patched(monkeypatch, fresh_plugins):
     )
 
     mamba_mixer2 = pytest.importorskip("vllm.model_executor.layers.mamba.mamba_mixer2")
+    if (reason := store_patch.not_needed()) is not None:
+        pytest.skip(reason)
     monkeypatch.setattr(mamba_mixer2, "store_prefill_checkpoint", mamba_mixer2.store_prefill_checkpoint)
     monkeypatch.setattr(store_patch, "_ORIGINALS", {})
     store_patch.apply()

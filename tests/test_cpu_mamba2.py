@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from vllm_hybrid_backends import hookimpl
+from vllm_hybrid_backends import compat, hookimpl
 from vllm_hybrid_backends.patches import (
     patch_vllm_model_executor_layers_mamba_mamba_mixer2 as store_patch,
 )
@@ -34,6 +34,9 @@ mamba_attn = pytest.importorskip("vllm.v1.attention.backends.mamba_attn")
 checkpoint_md = pytest.importorskip("vllm.model_executor.layers.mamba.checkpoint")
 
 CPU_SCAN = cpu_ssm._mamba_chunk_scan_combined_fwd_cpu
+#: vLLM's chunk table also ends chunks at prefill checkpoint offsets (0.32+: Mamba2's prefill
+#: checkpoint); before that the scan's chunk states serve ``mamba_cache_mode="all"`` only.
+CHUNK_TABLE_HAS_CHECKPOINTS = compat.has_mamba2_prefill_checkpoint()
 HEADS, HEAD_DIM, GROUPS, D_STATE = 4, 6, 2, 5
 CHUNK = 16
 
@@ -65,9 +68,15 @@ def _run_scan(inputs, lengths, computed, checkpoints, initial, state_dtype):
     """The patched scan through vLLM's entry point, with vLLM's own chunk table for this batch:
     chunks end at absolute multiples of CHUNK, at sequence ends and at forced checkpoint ends."""
     query_start = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    cu_chunks, seq_idx, last_chunks, checkpoint_chunks = (
-        mamba_attn.BaseMambaAttentionMetadataBuilder._compute_chunk_metadata(
-            CHUNK, len(lengths), torch.tensor(computed), query_start, checkpoints))
+    compute = mamba_attn.BaseMambaAttentionMetadataBuilder._compute_chunk_metadata
+    if CHUNK_TABLE_HAS_CHECKPOINTS:
+        cu_chunks, seq_idx, last_chunks, checkpoint_chunks = compute(
+            CHUNK, len(lengths), torch.tensor(computed), query_start, checkpoints)
+    else:  # before 0.32 an instance method (self unused), without checkpoint offsets
+        assert not any(checkpoints)
+        cu_chunks, seq_idx, last_chunks = compute(None, CHUNK, len(lengths), torch.tensor(computed),
+                                                  query_start)
+        checkpoint_chunks = [-1] * len(lengths)
     out = torch.full((sum(lengths), HEADS, HEAD_DIM), float("nan"))
     states = ssd_combined.mamba_chunk_scan_combined_varlen(
         chunk_size=CHUNK, cu_seqlens=query_start, cu_chunk_seqlens=torch.tensor(cu_chunks, dtype=torch.int32),
@@ -95,13 +104,19 @@ def _prefix_state(inputs, start, end, initial, owner, state_dtype):
 SCAN_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 
 
+_NEEDS_CHECKPOINTS = pytest.mark.skipif(not CHUNK_TABLE_HAS_CHECKPOINTS,
+                                        reason="this vLLM's chunk table has no prefill checkpoint "
+                                               "offsets (Mamba2 prefill checkpoint: 0.32+)")
+
+
 @pytest.mark.parametrize("state_dtype", [pytest.param(torch.float32, id="fp32-states"),
                                          pytest.param(torch.bfloat16, id="bf16-states")])
 @pytest.mark.parametrize("with_initial", [pytest.param(True, id="initial-states"),
                                           pytest.param(False, id="fresh")])
 @pytest.mark.parametrize(("computed", "checkpoints"), [
-    pytest.param([16, 0, 32], [32, 0, 16], id="block-aligned"),  # what align mode schedules
-    pytest.param([5, 0, 3], [35, 0, 19], id="unaligned"),
+    pytest.param([16, 0, 32], [32, 0, 16], id="block-aligned", marks=_NEEDS_CHECKPOINTS),  # align mode
+    pytest.param([5, 0, 3], [35, 0, 19], id="unaligned", marks=_NEEDS_CHECKPOINTS),
+    pytest.param([16, 0, 32], [0, 0, 0], id="no-checkpoints"),  # mamba_cache_mode="all"
 ])
 def test_scan_returns_the_state_after_every_chunk(mamba2_scan_patched, request, state_dtype, with_initial,
                                                   computed, checkpoints):
@@ -274,4 +289,7 @@ def test_store_rejects_a_window_reaching_before_the_query(mamba2_store_patched, 
 
 def test_every_mamba2_patch_applies_to_the_installed_vllm():
     assert scan_patch.missing() == []
-    assert store_patch.missing() == []
+    # the checkpoint store exactly where this vLLM has Mamba2's prefill checkpoint (0.32+)
+    assert (store_patch.not_needed() is None) == compat.has_mamba2_prefill_checkpoint()
+    if store_patch.not_needed() is None:
+        assert store_patch.missing() == []

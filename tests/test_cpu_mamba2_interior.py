@@ -17,6 +17,7 @@ import types
 import pytest
 import torch
 
+from vllm_hybrid_backends import compat
 from vllm_hybrid_backends.patches import (
     patch_vllm_model_executor_layers_mamba_ops_ssd_combined as scan_patch,
 )
@@ -28,6 +29,9 @@ cpu_ssm = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.mamba_ss
 mamba_mixer2 = pytest.importorskip("vllm.model_executor.layers.mamba.mamba_mixer2")
 layer_utils = pytest.importorskip("vllm.model_executor.layers.mamba.mamba_utils")
 mamba_attn = pytest.importorskip("vllm.v1.attention.backends.mamba_attn")
+if not compat.has_mamba2_prefill_checkpoint():
+    pytest.skip("this vLLM has no Mamba2 prefill checkpoint to carry interior states (0.32+)",
+                allow_module_level=True)
 checkpoint_md = pytest.importorskip("vllm.model_executor.layers.mamba.checkpoint")
 
 CPU_SCAN = cpu_ssm._mamba_chunk_scan_combined_fwd_cpu
