@@ -89,7 +89,12 @@ class EngineRun:
 
 
 class EngineError(RuntimeError):
-    """The engine subprocess failed; the message ends with the tail of its log."""
+    """The engine subprocess failed; the message ends with the tail of its log, ``log`` holds
+    all of it."""
+
+    def __init__(self, message: str, log: str = "") -> None:
+        super().__init__(message)
+        self.log = log
 
 
 def run_prompts(
@@ -196,7 +201,8 @@ def run_engine(
             tail = "\n".join(log.splitlines()[-60:])
             raise EngineError(
                 f"vLLM engine process for {spec['model']} {what} "
-                f"(VLLM_PLUGINS={child_env['VLLM_PLUGINS']!r}). Last log lines:\n{tail}"
+                f"(VLLM_PLUGINS={child_env['VLLM_PLUGINS']!r}). Last log lines:\n{tail}",
+                log=log,
             )
         result = json.loads(out_path.read_text())
     return EngineRun(

