@@ -106,10 +106,10 @@ def allocate_slots_positional(self: Any, request: Any, num_new_tokens: int,
 def _allocate(original: Any, manager: Any, request: Any, num_new_tokens: int,
               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     allocation = Allocation(request)
-    token = allocating_for.set(allocation)
     coordinator, hooks = manager.coordinator, allocation_hooks
     for name, hook in hooks:
         setattr(coordinator, name, MethodType(hook, coordinator))
+    token = allocating_for.set(allocation)
     try:
         blocks = original(manager, request, num_new_tokens, *args, **kwargs)
         if blocks is None and allocation.interior:
@@ -117,8 +117,8 @@ def _allocate(original: Any, manager: Any, request: Any, num_new_tokens: int,
             blocks = original(manager, request, num_new_tokens, *args, **kwargs)
         return blocks
     finally:
-        for name, _ in hooks:
-            vars(coordinator).pop(name, None)
+        for name, _ in hooks:  # delattr, not vars(): keeps the instance's attribute storage
+            delattr(coordinator, name)
         allocating_for.reset(token)
 
 
