@@ -2,15 +2,18 @@
 
     python bench/step_cost_lockstep.py --workload chat --rounds 3
     python bench/step_cost_lockstep.py --workload agentic --rounds 3 --json
+    python bench/step_cost_lockstep.py --workload short --rounds 3 --upstream-twice
 
 ``replay --timing-repeats N`` alternates whole replays (tens of seconds each), so on a shared
 host a change of load between two replays moves the ratio by more than the plugin costs. Here
 the upstream and the plugin replay of one workload run in one process, one scheduler step of
 each in turn, the plugin's engine patches swapped in for its steps only: both see the same
 load, step by step. Timed as ``replay`` times a step (``schedule`` plus
-``update_from_output``): per policy the median step (wall clock) and the total thread time of
-those calls. The deterministic results (prefill tokens computed, preemptions, state
-mismatches) must equal ``replay``'s, which the output repeats for a check.
+``update_from_output``): per policy the median step, in wall-clock and in thread time (the
+latter leaves out the time other processes held the core: the steadier one on a loaded host),
+and the total thread time of those calls. The deterministic results (prefill tokens computed, preemptions, state
+mismatches, token hit rate, scheduler steps) must equal ``replay``'s, which the output repeats
+for a check.
 """
 
 from __future__ import annotations
@@ -60,8 +63,9 @@ def _restore(snapshot: list[tuple[Any, str, Any]]) -> None:
             setattr(owner, attr, value)
 
 
-def lockstep_round(workload: str) -> dict[str, Any]:
-    """One upstream and one plugin replay of ``workload``, a scheduler step of each in turn."""
+def lockstep_round(workload: str, upstream_twice: bool = False) -> dict[str, Any]:
+    """One upstream and one plugin replay of ``workload``, a scheduler step of each in turn;
+    ``upstream_twice``: the plugin's slot replays upstream too (what the bench itself adds)."""
     from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
     from vllm_hybrid_backends.replay import harness
     from vllm_hybrid_backends.replay.policy import get_policy
@@ -77,6 +81,7 @@ def lockstep_round(workload: str) -> dict[str, Any]:
     patches_of["plugin"] = _snapshot(targets)
     _restore(patches_of["upstream"])
     previous, coordinator.interior_override = coordinator.interior_override, True  # as run_replay
+    policy_of = {"upstream": "upstream", "plugin": "upstream" if upstream_twice else "plugin"}
     turn = threading.Condition()
     state: dict[str, Any] = {"next": "upstream", "done": set()}
     steps: dict[str, list[tuple[float, float]]] = {name: [] for name in POLICIES}
@@ -85,7 +90,7 @@ def lockstep_round(workload: str) -> dict[str, Any]:
 
     def replay(name: str, other: str) -> None:
         try:
-            run = harness._Run(trace, config, get_policy(name), False, {},
+            run = harness._Run(trace, config, get_policy(policy_of[name]), False, {},
                                harness._default_accept(), None, None)
             scheduler = run.scheduler
             schedule, update = scheduler.schedule, scheduler.update_from_output
@@ -97,7 +102,7 @@ def lockstep_round(workload: str) -> dict[str, Any]:
                         state["next"] = other
                         turn.notify_all()
                         turn.wait_for(lambda: state["next"] == name or other in state["done"])
-                _restore(patches_of[name])
+                _restore(patches_of[policy_of[name]])
                 wall, cpu = time.perf_counter(), time.thread_time()
                 out = schedule()
                 spent[:] = [time.perf_counter() - wall, time.thread_time() - cpu]
@@ -114,7 +119,7 @@ def lockstep_round(workload: str) -> dict[str, Any]:
             scheduler.schedule, scheduler.update_from_output = timed_schedule, timed_update
             with turn:
                 turn.wait_for(lambda: state["next"] == name)
-            _restore(patches_of[name])
+            _restore(patches_of[policy_of[name]])
             results[name] = run.run()
         except BaseException as exc:  # reported by the caller
             errors.append(exc)
@@ -142,12 +147,18 @@ def lockstep_round(workload: str) -> dict[str, Any]:
         row[name] = {
             "steps": len(steps[name]),
             "median_step_us": statistics.median(wall for wall, _ in steps[name]),
+            "median_step_thread_us": statistics.median(cpu for _, cpu in steps[name]),
             "thread_s": sum(cpu for _, cpu in steps[name]) / 1e6,
+            "token_hit_rate": sum(r.hit_tokens for r in result.requests.values())
+            / trace.num_prompt_tokens,
+            "scheduler_steps": result.steps,
             "prefill_tokens_computed": result.prefill_tokens_computed,
             "preemptions": result.preemptions,
             "state_mismatches": len(result.mismatches),
         }
     row["median_ratio"] = row["plugin"]["median_step_us"] / row["upstream"]["median_step_us"]
+    row["median_thread_ratio"] = (row["plugin"]["median_step_thread_us"]
+                                  / row["upstream"]["median_step_thread_us"])
     row["thread_ratio"] = row["plugin"]["thread_s"] / row["upstream"]["thread_s"]
     return row
 
@@ -157,24 +168,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="chat")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--upstream-twice", action="store_true",
+                        help="the plugin's slot replays upstream too: the bench's own noise and "
+                             "order bias (ratio 1.0 if it had none)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         print(f"error: --rounds must be a positive integer, got {args.rounds}", file=sys.stderr)
         return 2
     rows = []
     for index in range(args.rounds):
-        row = lockstep_round(args.workload)
+        row = lockstep_round(args.workload, args.upstream_twice)
         rows.append(row)
         up, plug = row["upstream"], row["plugin"]
         print(f"{args.workload} round {index}: median step {up['median_step_us']:.0f} / "
-              f"{plug['median_step_us']:.0f} us (ratio {row['median_ratio']:.3f}), thread time "
+              f"{plug['median_step_us']:.0f} us (ratio {row['median_ratio']:.3f}), median step "
+              f"thread time ratio {row['median_thread_ratio']:.3f}, thread time "
               f"{up['thread_s']:.2f} / {plug['thread_s']:.2f} s (ratio {row['thread_ratio']:.3f}); "
+              f"hit rate {up['token_hit_rate']:.4f} / {plug['token_hit_rate']:.4f}, "
               f"prefill tokens {up['prefill_tokens_computed']} / {plug['prefill_tokens_computed']}, "
               f"mismatches {up['state_mismatches']} / {plug['state_mismatches']}", file=sys.stderr)
-    summary = {"workload": args.workload, "rounds": rows,
+    summary = {"workload": args.workload, "upstream_twice": args.upstream_twice, "rounds": rows,
                "median_ratio": statistics.median(r["median_ratio"] for r in rows),
+               "median_thread_ratio": statistics.median(r["median_thread_ratio"] for r in rows),
                "thread_ratio": statistics.median(r["thread_ratio"] for r in rows)}
     print(f"{args.workload}: median of per-round ratios: step {summary['median_ratio']:.3f}, "
+          f"step thread time {summary['median_thread_ratio']:.3f}, "
           f"thread time {summary['thread_ratio']:.3f}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary, indent=2))

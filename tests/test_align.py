@@ -218,18 +218,15 @@ def test_coordinator_patch_adds_boundaries_only_while_caching_a_request():
     coordinator_patch.apply()
     try:
         assert boundaries() == plain
-        token = coordinator_patch._caching_for.set((request, align.AlignPolicy(), {},
-                                                    align.RetentionLedger()))
-        try:
+        owner, attribute, _ = coordinator_patch._BOUNDARY_HOOK
+        assert vars(owner)[attribute] is original  # vLLM's own between caching calls
+        with coordinator_patch._keeping_boundaries(request, align.AlignPolicy(), {},
+                                                   align.RetentionLedger()):
             assert boundaries() == tuple(sorted({384, 896, 1152, 1280, 1536, *plain}))
-        finally:
-            coordinator_patch._caching_for.reset(token)
-        token = coordinator_patch._caching_for.set((request, align.AlignPolicy(tail_checkpoints=0), {},
-                                                    align.RetentionLedger()))
-        try:
+        assert boundaries() == plain and vars(owner)[attribute] is original
+        with coordinator_patch._keeping_boundaries(request, align.AlignPolicy(tail_checkpoints=0),
+                                                   {}, align.RetentionLedger()):
             assert boundaries() == tuple(sorted({1536, *plain}))
-        finally:
-            coordinator_patch._caching_for.reset(token)
     finally:
         coordinator_patch.revert()
     if hasattr(module, "replay_boundaries"):

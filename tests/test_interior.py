@@ -77,6 +77,8 @@ def test_round_trip_plan_block_table_worker_read_release():
             manager = run.scheduler.kv_cache_manager
             request = run._make_request(spec, 0.0)
             assert manager.allocate_slots(request, 100) is not None
+            assert not {"get_num_blocks_to_allocate", "allocate_new_blocks"} & set(
+                vars(manager.coordinator))  # the hooks were bound for that allocation only
             groups = [group for group, _ in coordinator._interior_managers(manager.coordinator)]
             assert groups == run.setup.mamba_group_ids and len(groups) == 2
             rows = [list(manager.coordinator.single_type_managers[g].req_to_blocks["a"])

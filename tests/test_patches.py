@@ -361,7 +361,8 @@ def test_positional_wrappers_hand_vllm_exactly_the_arguments_of_the_call(
 
     monkeypatch.setitem(patch._ORIGINALS, key, recording)
     state = types.SimpleNamespace(kept_states={})
-    me = types.SimpleNamespace(_hybrid_state=state, block_pool=None)
+    me = types.SimpleNamespace(_hybrid_state=state, block_pool=None,
+                               coordinator=types.SimpleNamespace())
     for args, kwargs in (call, other_call):
         # vLLM 0.23's remove_skipped_blocks has no num_prompt_tokens: pass what this vLLM takes
         kwargs = {key: value for key, value in kwargs.items() if key in signature.parameters}

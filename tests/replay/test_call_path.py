@@ -104,3 +104,51 @@ def test_cache_blocks_is_wrapped_on_every_class_that_defines_it():
     with get_policy("plugin").active():
         assert all(wrapped()), [cls.__name__ for cls in definers]
     assert not any(wrapped())  # vLLM's own again once the policy ends
+
+
+def test_decode_steps_run_vllms_own_coordinator_methods():
+    """The allocation hooks run only inside a multi-token ``allocate_slots`` and the boundary
+    wrapper only inside ``_cache_blocks`` (a Mamba block became full): a one-token decode
+    allocation enters none of them."""
+    pytest.importorskip("vllm.v1.core.kv_cache_coordinator")
+    module = coordinator_patch._module()
+    form = coordinator_patch._boundary_form(module)
+    allocations = {manager_patch.allocate_slots.__code__, manager_patch.allocate_slots_positional.__code__}
+    hooks = {coordinator_patch.get_num_blocks_to_allocate.__code__,
+             coordinator_patch.get_num_blocks_to_allocate_without_local.__code__,
+             coordinator_patch.allocate_new_blocks.__code__}
+    boundaries = {forms[0].__code__ for name, forms in BOUNDARY_WRAPPERS.items() if name == form}
+    caching = coordinator_patch._cache_blocks.__code__
+    open_allocations: list[int] = []
+    open_caching: list[bool] = []
+    hook_tokens: list[int] = []
+    boundary_calls = {"inside": 0, "outside": 0}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        code = frame.f_code
+        if code in allocations:
+            if event == "call":
+                open_allocations.append(frame.f_locals["num_new_tokens"])
+            elif event == "return":
+                open_allocations.pop()
+        elif code is caching:
+            if event == "call":
+                open_caching.append(True)
+            elif event == "return":
+                open_caching.pop()
+        elif event == "call" and code in hooks:
+            hook_tokens.append(open_allocations[-1] if open_allocations else 0)
+        elif event == "call" and code in boundaries:
+            boundary_calls["inside" if open_caching else "outside"] += 1
+
+    trace = make_workload("agentic", block_size=CONFIG.layout().block_size, sessions=2, turns=3)
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        result = run_replay(trace, CONFIG, get_policy("plugin"))
+    finally:
+        sys.setprofile(previous)
+    assert result.patches and result.steps > 0
+    assert hook_tokens and min(hook_tokens) > 1, sorted(set(hook_tokens))[:5]
+    if boundaries:  # dense retention (0.23) has no boundary wrapper
+        assert boundary_calls["inside"] > 0 and boundary_calls["outside"] == 0, boundary_calls

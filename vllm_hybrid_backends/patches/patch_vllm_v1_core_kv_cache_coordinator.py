@@ -18,8 +18,9 @@ finished request's cached prefix from its end, all groups together.
   ``free`` hands each group's blocks to the pool group after group, attention first, so all of a
   request's attention blocks are evicted before any of its Mamba states: kept snapshots then
   outlive the attention prefix they need and push other prefixes out.
-- How: ``cache_blocks`` records the request it is caching for (a context variable) and delegates
-  to the original; the wrapped ``replay_boundaries`` returns vLLM's positions plus
+- How: when a Mamba block becomes full, ``cache_blocks`` records the request it is caching for
+  (a context variable) and installs the wrapped ``replay_boundaries`` for that call only
+  (vLLM's own runs on every other step), which returns vLLM's positions plus
   :func:`vllm_hybrid_backends.align.retained_boundaries_by_kind` for that request (the kinds
   the retention ledger admits). Only the masks of
   sparse Mamba retention read these positions; attention groups cache every block anyway.
@@ -43,7 +44,9 @@ finished request's cached prefix from its end, all groups together.
   (:func:`stores_interior`: the gated delta net and Mamba2 on vLLM-CPU, CUDA and ROCm (GDN on
   devices where its prefill is vLLM's Triton/FLA kernel), with this plugin's worker patches, as every worker reported them applied and its
   forward able at engine start, :mod:`vllm_hybrid_backends.handshake`; or the replay's fake
-  model), ``get_num_blocks_to_allocate`` adds one block per admitted tail
+  model), ``get_num_blocks_to_allocate`` (bound on the coordinator instance only while
+  ``allocate_slots`` allocates a multi-token chunk, as is ``allocate_new_blocks``: a decode
+  step runs vLLM's own) adds one block per admitted tail
   checkpoint strictly inside the chunk (:func:`vllm_hybrid_backends.align.interior_tail_checkpoints`)
   to vLLM's count and remembers the columns; ``allocate_new_blocks`` puts a fresh block where
   vLLM padded those columns with the null block. The worker finds them in its block table
@@ -78,9 +81,11 @@ finished request's cached prefix from its end, all groups together.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import importlib
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +103,10 @@ TARGET_SYMBOLS = ("replay_boundaries", "KVCacheCoordinator.get_replay_boundaries
                   "KVCacheCoordinator.get_num_blocks_to_allocate",
                   "KVCacheCoordinator.allocate_new_blocks",
                   "HybridKVCacheCoordinator.find_longest_cache_hit")
-_WRAPPED = ("free", "remove_skipped_blocks", "get_num_blocks_to_allocate", "allocate_new_blocks")
+_WRAPPED = ("free", "remove_skipped_blocks")
+#: Bound on the coordinator instance only inside a multi-token allocation
+#: (``patch_vllm_v1_core_kv_cache_manager.allocation_hooks``): a decode step runs vLLM's own.
+_ALLOCATION_HOOKS = ("get_num_blocks_to_allocate", "allocate_new_blocks")
 PROCESS = "engine"
 VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
@@ -110,6 +118,10 @@ _POPS_BLOCKS = True
 #: (request, policy, memo of admitted boundaries, the coordinator's ledger) while
 #: ``cache_blocks`` runs for a request.
 _caching_for: contextvars.ContextVar[Any] = contextvars.ContextVar("hybrid_caching_for", default=None)
+#: (owner, attribute, wrapper) of this vLLM's retention form (:func:`_boundary_form`), set at
+#: apply: installed only while :func:`_cache_blocks` keeps extra boundaries, so vLLM's
+#: ``cache_blocks`` calls its own on every other step.
+_BOUNDARY_HOOK: tuple[Any, str, Any] | None = None
 
 
 @dataclass
@@ -172,7 +184,7 @@ def missing() -> list[str]:
         problems.append("replay_boundaries (0.32+), KVCacheCoordinator.get_replay_boundaries "
                         "(0.30/0.31), MambaManager.reachable_block_mask (0.26) or dense Mamba "
                         "retention (0.23)")
-    for name in (*_WRAPPED, "cache_blocks"):
+    for name in (*_WRAPPED, *_ALLOCATION_HOOKS, "cache_blocks"):
         if not callable(getattr(coordinator, name, None)):
             problems.append(f"KVCacheCoordinator.{name}")
     try:
@@ -469,14 +481,11 @@ def _mamba_kinds(coordinator: Any) -> frozenset[str]:
     return state.mamba_kinds
 
 
-def _cache_blocks_of(cls_name: str) -> Any:
+def _cache_blocks_of(original: Any) -> Any:
     """``cache_blocks`` wrapped for one coordinator class that defines its own (0.30's
     ``HybridKVCacheCoordinator`` overrides the base: a wrapper on the base alone is bypassed)."""
 
-    key = f"{cls_name}.cache_blocks"
-
     def wrapped(self: Any, request: Any, num_computed_tokens: int) -> None:
-        original = _ORIGINALS[key]
         state = getattr(self, "_hybrid_state", None)
         per_block_size = state.mamba_per_block_size if state is not None else None
         if per_block_size is None:
@@ -501,15 +510,35 @@ def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: i
     policy = _cache_policy(self, state)
     memo: dict[Any, Any] = {}
     before = managers[0].num_cached_block.get(request.request_id, 0) if stats.enabled else 0
-    token = _caching_for.set((request, policy, memo, state.ledger))
-    try:
+    with _keeping_boundaries(request, policy, memo, state.ledger):
         original(self, request, num_computed_tokens)
-    finally:
-        _caching_for.reset(token)
     if policy.adaptive_retention:
         _record_kept_states(self, request, policy, memo)
     if stats.enabled:
         _count_kept_states(self, managers[0], request, policy, memo, before)
+
+
+@contextlib.contextmanager
+def _keeping_boundaries(request: Any, policy: align.AlignPolicy, memo: dict[Any, Any],
+                        ledger: align.RetentionLedger) -> Iterator[None]:
+    """While vLLM caches ``request``'s blocks: its retention form keeps the admitted
+    boundaries too (the wrapper installed for this call, :data:`_BOUNDARY_HOOK`)."""
+    token = _caching_for.set((request, policy, memo, ledger))
+    hook = _BOUNDARY_HOOK
+    if hook is None:  # dense retention (0.23): nothing to add
+        try:
+            yield
+        finally:
+            _caching_for.reset(token)
+        return
+    owner, attribute, wrapper = hook
+    previous = vars(owner)[attribute]
+    setattr(owner, attribute, wrapper)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, previous)
+        _caching_for.reset(token)
 
 
 def _cache_policy(coordinator: Any, state: CoordinatorState) -> align.AlignPolicy:
@@ -923,8 +952,24 @@ for _wrapper in _WRAPPERS:
     _wrapper._hybrid_backends_wrapper = True
 
 
+def _boundary_hook(module: Any) -> tuple[Any, str, Any] | None:
+    """(owner, attribute, wrapper) of this vLLM's retention form; records vLLM's original."""
+    form = _boundary_form(module)
+    if form == "replay_boundaries":
+        _ORIGINALS[form] = module.replay_boundaries
+        return module, "replay_boundaries", replay_boundaries
+    if form == "KVCacheCoordinator.get_replay_boundaries":
+        _ORIGINALS[form] = module.KVCacheCoordinator.get_replay_boundaries
+        return module.KVCacheCoordinator, "get_replay_boundaries", get_replay_boundaries
+    if form == "MambaManager.reachable_block_mask":
+        mamba = _mamba_manager_class()
+        _ORIGINALS[form] = vars(mamba)["reachable_block_mask"]
+        return mamba, "reachable_block_mask", classmethod(_reachable_block_mask)
+    return None  # dense retention (0.23): every state is kept already
+
+
 def apply() -> None:
-    global _TAKES_PREFILL_END, _POPS_BLOCKS
+    global _TAKES_PREFILL_END, _POPS_BLOCKS, _BOUNDARY_HOOK
     align.refresh_policy()
     stats.refresh()
     module = _module()
@@ -933,46 +978,36 @@ def apply() -> None:
             module.HybridKVCacheCoordinator.find_longest_cache_hit)
         module.HybridKVCacheCoordinator.find_longest_cache_hit = find_longest_cache_hit
     wrap_subclass_hit_searches()
-    if callable(getattr(module, "replay_boundaries", None)):
-        if module.replay_boundaries is not replay_boundaries:
-            _ORIGINALS["replay_boundaries"] = module.replay_boundaries
-            module.replay_boundaries = replay_boundaries
-    elif _boundary_form(module) == "KVCacheCoordinator.get_replay_boundaries":
-        if module.KVCacheCoordinator.get_replay_boundaries is not get_replay_boundaries:
-            _ORIGINALS["KVCacheCoordinator.get_replay_boundaries"] = (
-                module.KVCacheCoordinator.get_replay_boundaries)
-            module.KVCacheCoordinator.get_replay_boundaries = get_replay_boundaries
-    elif _boundary_form(module) == "MambaManager.reachable_block_mask":
-        mamba = _mamba_manager_class()
-        current = vars(mamba)["reachable_block_mask"]
-        if not getattr(current.__func__, "_hybrid_backends_wrapper", False):
-            _ORIGINALS["MambaManager.reachable_block_mask"] = current
-            mamba.reachable_block_mask = classmethod(_reachable_block_mask)
+    _BOUNDARY_HOOK = _boundary_hook(module)
     for cls in _coordinator_classes(module):
         current = vars(cls).get("cache_blocks")
         if current is not None and not getattr(current, "_hybrid_backends_wrapper", False):
             _ORIGINALS[f"{cls.__name__}.cache_blocks"] = current
-            cls.cache_blocks = _cache_blocks_of(cls.__name__)  # type: ignore[attr-defined]
-    counts_local = _counts_local_tokens(module.KVCacheCoordinator)
+            cls.cache_blocks = _cache_blocks_of(current)  # type: ignore[attr-defined]
     for name in _WRAPPED:
         current = getattr(module.KVCacheCoordinator, name)
         if getattr(current, "_hybrid_backends_wrapper", False):
             continue
         wrapper = globals()[name]
-        if name == "get_num_blocks_to_allocate" and not counts_local:
-            wrapper = get_num_blocks_to_allocate_without_local
-        elif name == "remove_skipped_blocks" and same_parameters(
+        if name == "remove_skipped_blocks" and same_parameters(
                 current, remove_skipped_blocks_positional):
             wrapper = remove_skipped_blocks_positional
         _ORIGINALS[f"KVCacheCoordinator.{name}"] = current
         setattr(module.KVCacheCoordinator, name, wrapper)
+    for name in _ALLOCATION_HOOKS:
+        _ORIGINALS[f"KVCacheCoordinator.{name}"] = getattr(module.KVCacheCoordinator, name)
+    manager_patch.allocation_hooks = (
+        ("get_num_blocks_to_allocate", get_num_blocks_to_allocate
+         if _counts_local_tokens(module.KVCacheCoordinator)
+         else get_num_blocks_to_allocate_without_local),
+        ("allocate_new_blocks", allocate_new_blocks))
     _TAKES_PREFILL_END = "prefill_end" in inspect.signature(
         _ORIGINALS["KVCacheCoordinator.get_num_blocks_to_allocate"]).parameters
     _POPS_BLOCKS = _pops_blocks(module.KVCacheCoordinator)
 
 
 def revert() -> None:
-    global _TAKES_PREFILL_END, _POPS_BLOCKS
+    global _TAKES_PREFILL_END, _POPS_BLOCKS, _BOUNDARY_HOOK
     _TAKES_PREFILL_END = _POPS_BLOCKS = True  # back to the import-time defaults
     module = _module()
     if "HybridKVCacheCoordinator.find_longest_cache_hit" in _ORIGINALS:
@@ -981,17 +1016,16 @@ def revert() -> None:
     for key, cls in list(_SUBCLASS_WRAPPED.items()):
         cls.find_longest_cache_hit = _ORIGINALS.pop(key)  # type: ignore[attr-defined]
         del _SUBCLASS_WRAPPED[key]
-    if "replay_boundaries" in _ORIGINALS:
-        module.replay_boundaries = _ORIGINALS.pop("replay_boundaries")
-    if "MambaManager.reachable_block_mask" in _ORIGINALS:
-        _mamba_manager_class().reachable_block_mask = _ORIGINALS.pop(
-            "MambaManager.reachable_block_mask")
-    if "KVCacheCoordinator.get_replay_boundaries" in _ORIGINALS:
-        module.KVCacheCoordinator.get_replay_boundaries = _ORIGINALS.pop(
-            "KVCacheCoordinator.get_replay_boundaries")
+    _BOUNDARY_HOOK = None
+    for form in ("replay_boundaries", "KVCacheCoordinator.get_replay_boundaries",
+                 "MambaManager.reachable_block_mask"):
+        _ORIGINALS.pop(form, None)
     for cls in _coordinator_classes(module):
         if f"{cls.__name__}.cache_blocks" in _ORIGINALS:
             cls.cache_blocks = _ORIGINALS.pop(f"{cls.__name__}.cache_blocks")  # type: ignore[attr-defined]
     for name in _WRAPPED:
         if f"KVCacheCoordinator.{name}" in _ORIGINALS:
             setattr(module.KVCacheCoordinator, name, _ORIGINALS.pop(f"KVCacheCoordinator.{name}"))
+    manager_patch.allocation_hooks = ()
+    for name in _ALLOCATION_HOOKS:
+        _ORIGINALS.pop(f"KVCacheCoordinator.{name}", None)

@@ -8,7 +8,10 @@
   for the request while the original runs. Interior blocks are optional: when the coordinator
   counted some (``Allocation.interior``) and vLLM then found too few free blocks, the wrapper
   allocates once more without them, so they never keep a request from being scheduled.
-  A one-token allocation (a decode step) goes straight to vLLM. Where the installed
+  The coordinator's ``get_num_blocks_to_allocate`` and ``allocate_new_blocks`` hooks are
+  bound on the coordinator instance for that allocation only (:data:`allocation_hooks`).
+  A one-token allocation (a decode step) goes straight to vLLM, and vLLM's own coordinator
+  methods run under it: no other frame of this plugin's. Where the installed
   ``allocate_slots`` takes exactly the parameters of :func:`allocate_slots_positional` (vLLM
   0.32), that wrapper is installed: it forwards them positionally, several times cheaper per
   call than ``*args, **kwargs`` (about 17 calls a step on a decode-heavy batch).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import importlib
+from types import MethodType
 from typing import Any
 
 from ..compat import same_parameters, signature_problem
@@ -49,6 +53,10 @@ class Allocation:
 #: The allocation ``KVCacheManager.allocate_slots`` is running, or None.
 allocating_for: contextvars.ContextVar[Allocation | None] = contextvars.ContextVar(
     "hybrid_allocating_for", default=None)
+#: (method name, function) of the coordinator methods that act only inside a multi-token
+#: allocation: bound on the request's coordinator instance while :func:`_allocate` runs, so a
+#: decode step calls vLLM's own. Set by ``patch_vllm_v1_core_kv_cache_coordinator.apply``.
+allocation_hooks: tuple[tuple[str, Any], ...] = ()
 
 
 def _manager_class() -> Any:
@@ -98,6 +106,9 @@ def allocate_slots_positional(self: Any, request: Any, num_new_tokens: int,
 def _allocate(original: Any, manager: Any, request: Any, num_new_tokens: int,
               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     allocation = Allocation(request)
+    coordinator, hooks = manager.coordinator, allocation_hooks
+    for name, hook in hooks:
+        setattr(coordinator, name, MethodType(hook, coordinator))
     token = allocating_for.set(allocation)
     try:
         blocks = original(manager, request, num_new_tokens, *args, **kwargs)
@@ -106,6 +117,8 @@ def _allocate(original: Any, manager: Any, request: Any, num_new_tokens: int,
             blocks = original(manager, request, num_new_tokens, *args, **kwargs)
         return blocks
     finally:
+        for name, _ in hooks:  # delattr, not vars(): keeps the instance's attribute storage
+            delattr(coordinator, name)
         allocating_for.reset(token)
 
 
