@@ -818,13 +818,16 @@ def _spare_for_extras(state: CoordinatorState, queue: Any, limit: int) -> int:
     """How many free blocks can be taken, up to ``limit``, before vLLM's free queue would evict
     a cached block that is not an extra state: the uncached and probation blocks at its head,
     and the deferred probation blocks (moved in front when an eviction comes)."""
-    spare = sum(1 for block, block_hash in state.deferred.values()
-                if _still_deferred(state, block, block_hash))
+    spare = 0
     block = queue.fake_free_list_head.next_free_block
     while spare < limit and block is not queue.fake_free_list_tail and (
             block.block_hash is None or _on_probation(state, block)):
         spare += 1
         block = block.next_free_block
+    for block, block_hash in state.deferred.values():  # many only while uncached blocks abound
+        if spare >= limit:
+            break
+        spare += _still_deferred(state, block, block_hash)
     return spare
 
 
