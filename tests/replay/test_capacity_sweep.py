@@ -6,7 +6,9 @@ no preemption), one under pressure on each Mamba layout: the gated delta net wit
 tail states (qwen3.5-0.8b) and Mamba2 with vLLM's prefill checkpoint (nemotron-h-8b). They
 guard the rules; the small rows tried so far (rag, 60-120 prompts, 262,144-1,000,000 tokens)
 do not reproduce the full row's loss on the code before deferred probation. Both policies run
-through vLLM's real scheduler (``replay.harness.run_replay``).
+through vLLM's real scheduler (``replay.harness.run_replay``). A tiny scenario checks the
+rule behind them (issue 15 item 3): the plugin's extra states never evict a state upstream
+keeps.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import pytest
 from vllm_hybrid_backends.compat import version_allows
 from vllm_hybrid_backends.replay.harness import ReplayConfig, run_replay
 from vllm_hybrid_backends.replay.policy import get_policy
-from vllm_hybrid_backends.replay.workloads import make_workload
+from vllm_hybrid_backends.replay.shapes import tiny_shape
+from vllm_hybrid_backends.replay.workloads import Trace, TraceRequest, make_workload
 
 pytestmark = pytest.mark.slow
 
@@ -52,5 +55,38 @@ def test_plugin_hits_at_least_upstream_without_mismatch_or_leak(workload, params
     assert plugin > 0, "the row must have hits"
     assert plugin >= upstream, f"plugin hit {plugin} prompt tokens, upstream {upstream}"
     for run in (upstream_run, plugin_run):
+        assert not run.mismatches, run.mismatches[:1]
+        assert run.blocks_leaked == 0
+
+
+def _state_upstream_keeps_trace(pressure_tokens: int) -> Trace:
+    """r1's last prompt boundary (16) is a state vLLM keeps; r2 extends r1's prompt, hits it,
+    and 16 is also one of r2's tail distances; a unique r3 of ``pressure_tokens`` then needs
+    blocks, and r4, a sibling of r1, resumes at 16 if the state is still cached."""
+    first = list(range(100, 120))
+    return Trace("state-upstream-keeps", [
+        TraceRequest("r0", list(range(1000, 1040)), [7] * 3),
+        TraceRequest("r1", first, [7] * 3, after="r0"),
+        TraceRequest("r2", first + list(range(500, 520)), [7] * 3, after="r1"),
+        TraceRequest("r3", list(range(2000, 2000 + pressure_tokens)), [7] * 3, after="r2"),
+        TraceRequest("r4", first + list(range(600, 610)), [7] * 3, after="r3")])
+
+
+@pytest.mark.parametrize("pressure_tokens", [
+    # main before hb-place2: r2 recorded the state it hit as its own tail state and put it
+    # on probation, so it went before every block vLLM keeps (r4: plugin 0, upstream 16)
+    pytest.param(40, id="hit-state-is-not-an-extra"),
+    # ... and r3's interior tail states took blocks by evicting it (r4: plugin 0, upstream 16)
+    pytest.param(72, id="interior-states-evict-no-kept-block"),
+])
+def test_extra_states_never_evict_a_state_upstream_keeps(pressure_tokens):
+    config = ReplayConfig(shape=tiny_shape(), platform="any", block_size=8, cache_tokens=240,
+                          max_num_batched_tokens=64, max_num_seqs=4)
+    trace = _state_upstream_keeps_trace(pressure_tokens)
+    upstream = run_replay(trace, config, get_policy("upstream"))
+    plugin = run_replay(trace, config, get_policy("plugin"))
+    assert upstream.requests["r4"].hit_tokens == 16, "upstream must still hold r1's state"
+    assert plugin.requests["r4"].hit_tokens >= 16
+    for run in (upstream, plugin):
         assert not run.mismatches, run.mismatches[:1]
         assert run.blocks_leaked == 0

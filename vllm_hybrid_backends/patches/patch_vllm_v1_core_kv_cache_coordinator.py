@@ -37,6 +37,9 @@ finished request's cached prefix from its end, all groups together.
   its LRU place instead, until an allocation is about to evict a cached block: the free
   queue's ``popleft_n`` (wrapped on that pool's queue instance, once it holds such a state)
   then moves it in front first, so this holds whatever the pressure when it was freed.
+  Only the states a request computed itself count as its extras: a block it got from a hit
+  and vLLM's own shared-prefix junction are not (vLLM keeps them; on probation they were
+  evicted before the blocks upstream keeps, replay rag qwen3.5-0.8b 131,072).
 - Interior states (``VLLM_HYBRID_INTERIOR_STATES``, issue #5 item 4): in align mode a chunk's
   only new state is its last one, every block it skips is padded with the null block, so keeping
   a tail checkpoint meant ending a chunk there (one more forward step, all layers, per
@@ -48,7 +51,9 @@ finished request's cached prefix from its end, all groups together.
   ``allocate_slots`` allocates a multi-token chunk, as is ``allocate_new_blocks``: a decode
   step runs vLLM's own) adds one block per admitted tail
   checkpoint strictly inside the chunk (:func:`vllm_hybrid_backends.align.interior_tail_checkpoints`)
-  to vLLM's count and remembers the columns; ``allocate_new_blocks`` puts a fresh block where
+  to vLLM's count, as many as the pool can give without evicting a cached block that is not
+  an extra state (:func:`_affordable_interior`: an interior state never pushes out what
+  upstream keeps), and remembers the columns; ``allocate_new_blocks`` puts a fresh block where
   vLLM padded those columns with the null block. The worker finds them in its block table
   (:func:`vllm_hybrid_backends.interior.checkpoints`) and stores the states through
   ``hb_store_checkpoints``; ``cache_blocks`` hashes them like any kept boundary, and
@@ -352,10 +357,17 @@ def _reachable_block_mask(cls: Any, start_block: int, end_block: int, alignment_
 def _admitted_boundaries(ledger: align.RetentionLedger, request: Any, policy: align.AlignPolicy,
                          num_prompt_tokens: int, block_size: int,
                          memo: dict[Any, Any]) -> dict[str, tuple[int, ...]]:
+    """The plugin's extra boundaries for ``request``, by kind, that the ledger admits. vLLM's
+    own shared-prefix junction is never one of them, even where a tail distance lands on it:
+    vLLM keeps that state itself, so it must not be put on probation as an extra."""
     found = memo.get((num_prompt_tokens, block_size))
     if found is None:
         kinds = align.retained_boundaries_by_kind(num_prompt_tokens, request.num_tokens,
                                                   block_size, policy)
+        junction = getattr(request, "shared_prefix_boundary", 0) // block_size * block_size
+        if junction:
+            kinds = {kind: kept for kind, positions in kinds.items()
+                     if (kept := tuple(p for p in positions if p != junction))}
         found = {kind: positions for kind, positions in kinds.items()
                  if not policy.adaptive_retention or ledger.admits(kind, request.request_id)}
         memo[(num_prompt_tokens, block_size)] = found
@@ -391,7 +403,12 @@ def _one_per_block_size(coordinator: Any, managers: list[Any]) -> list[Any]:
 
 
 def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolicy,
-                        memo: dict[Any, Any]) -> None:
+                        memo: dict[Any, Any], first_new: int) -> None:
+    """Record the extra states this ``cache_blocks`` call kept in the ledger; only blocks from
+    ``first_new`` (the request's cached count before the call) on become the request's own,
+    to go on probation when released. A block it got from a cache hit never does: it was kept,
+    or is vLLM's own, before this request came. (The ledger still counts it for the kind:
+    without that, rag qwen3.5-0.8b 2,000,000 fell from 0.2881 to 0.2708.)"""
     managers = _mamba_managers(coordinator)
     if not managers:
         return
@@ -411,6 +428,8 @@ def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolic
                 continue
             if getattr(block, "block_hash_num_tokens", position) == position:
                 state.ledger.record_kept(kind, block.block_id, block.block_hash)
+                if index < first_new:
+                    continue
                 group_blocks = [m.req_to_blocks[request.request_id][index] for m in managers
                                 if m.block_size == size
                                 and index < len(m.req_to_blocks.get(request.request_id, ()))]
@@ -509,11 +528,11 @@ def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: i
     managers = _mamba_managers(self)
     policy = _cache_policy(self, state)
     memo: dict[Any, Any] = {}
-    before = managers[0].num_cached_block.get(request.request_id, 0) if stats.enabled else 0
+    before = managers[0].num_cached_block.get(request.request_id, 0)
     with _keeping_boundaries(request, policy, memo, state.ledger):
         original(self, request, num_computed_tokens)
     if policy.adaptive_retention:
-        _record_kept_states(self, request, policy, memo)
+        _record_kept_states(self, request, policy, memo, before)
     if stats.enabled:
         _count_kept_states(self, managers[0], request, policy, memo, before)
 
@@ -799,13 +818,58 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
             columns = _interior_columns(ledger, manager, request, total_computed_tokens,
                                         num_tokens_main_model)
             if columns:
-                count += len(columns)
                 planned.append((group, columns))
+        planned = _affordable_interior(state_of(self), self.block_pool, count, planned)
         if planned:
+            count += sum(len(columns) for _, columns in planned)
             allocation.interior = True
     if not apply_admission_cap:
         allocation.plan = planned or None
     return count
+
+
+def _affordable_interior(state: CoordinatorState, block_pool: Any, reserved: int,
+                         planned: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+    """The interior columns of ``planned`` (per Mamba group) whose blocks the pool can give
+    without evicting a block vLLM keeps cached, after the ``reserved`` blocks vLLM allocates
+    first: an interior state is extra, so it may take an uncached free block or another extra
+    state's block, never a prefix or state upstream would still hold. Fewer columns keep the
+    ones nearest the chunk end, the same number in every group (a hit needs them all)."""
+    wanted = sum(len(columns) for _, columns in planned)
+    if not wanted:
+        return planned
+    spare = _spare_for_extras(state, block_pool.free_block_queue, reserved + wanted) - reserved
+    if spare >= wanted:
+        return planned
+    per_group = max(spare, 0) // len(planned)
+    if not per_group:
+        return []
+    return [(group, columns[-per_group:]) for group, columns in planned]
+
+
+def _spare_for_extras(state: CoordinatorState, queue: Any, limit: int) -> int:
+    """How many free blocks can be taken, up to ``limit``, before vLLM's free queue would evict
+    a cached block that is not an extra state: the uncached and probation blocks at its head,
+    and the deferred probation blocks (moved in front when an eviction comes)."""
+    spare = 0
+    block = queue.fake_free_list_head.next_free_block
+    while spare < limit and block is not queue.fake_free_list_tail and (
+            block.block_hash is None or _on_probation(state, block)):
+        spare += 1
+        block = block.next_free_block
+    for block, block_hash in state.deferred.values():  # many only while uncached blocks abound
+        if spare >= limit:
+            break
+        spare += _still_deferred(state, block, block_hash)
+    return spare
+
+
+def _still_deferred(state: CoordinatorState, block: Any, block_hash: Any) -> bool:
+    """A deferred block still free, unchanged and (if a kept state's) of an unproven kind."""
+    keys = state.probation_keys
+    return (block.block_hash == block_hash and block.ref_cnt == 0
+            and block.prev_free_block is not None
+            and (block.block_id not in keys or state.ledger.on_probation(*keys[block.block_id])))
 
 
 def _on_probation(state: CoordinatorState, block: Any) -> bool:
@@ -925,13 +989,10 @@ def _place_deferred(state: CoordinatorState, queue: Any, n: int) -> None:
     else:
         return
     anchor = victim.prev_free_block  # uncached or on probation: never a deferred block
-    keys = state.probation_keys
     blocks = [block for block, block_hash in state.deferred.values()
-              if block.block_hash == block_hash and block.ref_cnt == 0
-              and block.prev_free_block is not None
-              and (block.block_id not in keys or state.ledger.on_probation(*keys[block.block_id]))]
+              if _still_deferred(state, block, block_hash)]
     state.deferred.clear()
-    keys.clear()
+    state.probation_keys.clear()
     if not blocks:
         return
     _put_on_probation_after(state, queue, anchor, blocks)
