@@ -122,14 +122,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             print("error: --prefix-match-unit must be a positive integer or 'best', got "
                   f"{args.prefix_match_unit!r}", file=sys.stderr)
             return 2
-    from .engine_config import vllm_has_prefix_match_unit
-
-    if args.prefix_match_unit is not None and not vllm_has_prefix_match_unit():
-        from ..compat import installed_vllm_version
-
-        print(f"error: --prefix-match-unit needs vLLM's CacheConfig.prefix_match_unit (0.32+); "
-              f"this vLLM is {installed_vllm_version()}", file=sys.stderr)
-        return 2
     if not args.time_scale > 0 or args.time_scale == float("inf"):
         print(f"error: --time-scale must be a finite number > 0, got {args.time_scale}",
               file=sys.stderr)
@@ -154,6 +146,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
+    # after the flag combinations: a usage error is one on every vLLM
+    from .engine_config import vllm_has_prefix_match_unit
+
+    if args.prefix_match_unit is not None and not vllm_has_prefix_match_unit():
+        from ..compat import installed_vllm_version
+
+        print(f"error: --prefix-match-unit needs vLLM's CacheConfig.prefix_match_unit (0.32+); "
+              f"this vLLM is {installed_vllm_version()}", file=sys.stderr)
+        return 2
     policies = ["upstream", "plugin"] if args.policy == "both" else [args.policy]
     config = ReplayConfig(model_shape=args.model_shape, block_size=args.block_size,
                           cache_tokens=args.cache_tokens, prefix_match_unit=unit,
