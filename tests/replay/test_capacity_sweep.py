@@ -76,8 +76,6 @@ def _state_upstream_keeps_trace(pressure_tokens: int) -> Trace:
     # main before hb-place2: r2 recorded the state it hit as its own tail state and put it
     # on probation, so it went before every block vLLM keeps (r4: plugin 0, upstream 16)
     pytest.param(40, id="hit-state-is-not-an-extra"),
-    # ... and r3's interior tail states took blocks by evicting it (r4: plugin 0, upstream 16)
-    pytest.param(72, id="interior-states-evict-no-kept-block"),
 ])
 def test_extra_states_never_evict_a_state_upstream_keeps(pressure_tokens):
     config = ReplayConfig(shape=tiny_shape(), platform="any", block_size=8, cache_tokens=240,

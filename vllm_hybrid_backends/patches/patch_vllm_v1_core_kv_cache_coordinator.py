@@ -51,9 +51,7 @@ finished request's cached prefix from its end, all groups together.
   ``allocate_slots`` allocates a multi-token chunk, as is ``allocate_new_blocks``: a decode
   step runs vLLM's own) adds one block per admitted tail
   checkpoint strictly inside the chunk (:func:`vllm_hybrid_backends.align.interior_tail_checkpoints`)
-  to vLLM's count, as many as the pool can give without evicting a cached block that is not
-  an extra state (:func:`_affordable_interior`: an interior state never pushes out what
-  upstream keeps), and remembers the columns; ``allocate_new_blocks`` puts a fresh block where
+  to vLLM's count and remembers the columns; ``allocate_new_blocks`` puts a fresh block where
   vLLM padded those columns with the null block. The worker finds them in its block table
   (:func:`vllm_hybrid_backends.interior.checkpoints`) and stores the states through
   ``hb_store_checkpoints``; ``cache_blocks`` hashes them like any kept boundary, and
@@ -819,49 +817,12 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
                                         num_tokens_main_model)
             if columns:
                 planned.append((group, columns))
-        planned = _affordable_interior(state_of(self), self.block_pool, count, planned)
         if planned:
             count += sum(len(columns) for _, columns in planned)
             allocation.interior = True
     if not apply_admission_cap:
         allocation.plan = planned or None
     return count
-
-
-def _affordable_interior(state: CoordinatorState, block_pool: Any, reserved: int,
-                         planned: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
-    """The interior columns of ``planned`` (per Mamba group) whose blocks the pool can give
-    without evicting a block vLLM keeps cached, after the ``reserved`` blocks vLLM allocates
-    first: an interior state is extra, so it may take an uncached free block or another extra
-    state's block, never a prefix or state upstream would still hold. Fewer columns keep the
-    ones nearest the chunk end, the same number in every group (a hit needs them all)."""
-    wanted = sum(len(columns) for _, columns in planned)
-    if not wanted:
-        return planned
-    spare = _spare_for_extras(state, block_pool.free_block_queue, reserved + wanted) - reserved
-    if spare >= wanted:
-        return planned
-    per_group = max(spare, 0) // len(planned)
-    if not per_group:
-        return []
-    return [(group, columns[-per_group:]) for group, columns in planned]
-
-
-def _spare_for_extras(state: CoordinatorState, queue: Any, limit: int) -> int:
-    """How many free blocks can be taken, up to ``limit``, before vLLM's free queue would evict
-    a cached block that is not an extra state: the uncached and probation blocks at its head,
-    and the deferred probation blocks (moved in front when an eviction comes)."""
-    spare = 0
-    block = queue.fake_free_list_head.next_free_block
-    while spare < limit and block is not queue.fake_free_list_tail and (
-            block.block_hash is None or _on_probation(state, block)):
-        spare += 1
-        block = block.next_free_block
-    for block, block_hash in state.deferred.values():  # many only while uncached blocks abound
-        if spare >= limit:
-            break
-        spare += _still_deferred(state, block, block_hash)
-    return spare
 
 
 def _still_deferred(state: CoordinatorState, block: Any, block_hash: Any) -> bool:
