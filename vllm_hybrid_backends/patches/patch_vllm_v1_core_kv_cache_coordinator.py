@@ -541,20 +541,16 @@ def _keeping_boundaries(request: Any, policy: align.AlignPolicy, memo: dict[Any,
     """While vLLM caches ``request``'s blocks: its retention form keeps the admitted
     boundaries too (the wrapper installed for this call, :data:`_BOUNDARY_HOOK`)."""
     token = _caching_for.set((request, policy, memo, ledger))
-    hook = _BOUNDARY_HOOK
-    if hook is None:  # dense retention (0.23): nothing to add
-        try:
-            yield
-        finally:
-            _caching_for.reset(token)
-        return
-    owner, attribute, wrapper = hook
-    previous = vars(owner)[attribute]
-    setattr(owner, attribute, wrapper)
+    hook = _BOUNDARY_HOOK  # None with dense retention (0.23): nothing to add
+    if hook is not None:
+        owner, attribute, wrapper = hook
+        previous = vars(owner)[attribute]
+        setattr(owner, attribute, wrapper)
     try:
         yield
     finally:
-        setattr(owner, attribute, previous)
+        if hook is not None:
+            setattr(owner, attribute, previous)
         _caching_for.reset(token)
 
 
@@ -816,9 +812,9 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
             columns = _interior_columns(ledger, manager, request, total_computed_tokens,
                                         num_tokens_main_model)
             if columns:
+                count += len(columns)
                 planned.append((group, columns))
         if planned:
-            count += sum(len(columns) for _, columns in planned)
             allocation.interior = True
     if not apply_admission_cap:
         allocation.plan = planned or None
