@@ -2,6 +2,7 @@
 # Real vllm-ascend releases beside the vLLM each pairs with, as sources only (no NPU needed):
 #   .venv-matrix/src/vllm-0.23.0 + vllm_ascend-0.23.0, vllm-0.26.0 + vllm_ascend-0.26.0rc1,
 #   .venv-matrix/extra: gguf and scipy (pure imports vLLM 0.23 / vllm-ascend need; no deps pulled).
+# Only each wheel's Python and data are unpacked (scripts/unpack_sources.py); the wheels are deleted.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -11,8 +12,10 @@ for spec in vllm==0.23.0 vllm==0.26.0 vllm-ascend==0.23.0 vllm-ascend==0.26.0rc1
   name=${spec%%==*}; version=${spec##*==}; dest="$ROOT/src/${name//-/_}-$version"
   [ "$name" = vllm ] && dest="$ROOT/src/vllm-$version"
   [ -d "$dest" ] && continue
-  "$PY" -m pip download -q --no-deps -d "$ROOT/wheels" "$spec"
+  "$PY" -m pip download -q --no-cache-dir --no-deps -d "$ROOT/wheels" "$spec"
   wheel=$(ls "$ROOT"/wheels/"${name//-/_}"-"$version"*.whl | head -1)
-  mkdir -p "$dest" && unzip -q -o "$wheel" -d "$dest" -x '*.so'
+  rm -rf "$dest.new"
+  "$PY" scripts/unpack_sources.py "$wheel" "$dest.new" && mv "$dest.new" "$dest"
+  rm -f "$wheel"  # the unpacked Python is all that is used; the wheels were 600 MB
 done
-[ -d "$ROOT/extra/scipy" ] || "$PY" -m pip install -q --no-deps --target "$ROOT/extra" gguf scipy
+[ -d "$ROOT/extra/scipy" ] || "$PY" -m pip install -q --no-cache-dir --no-deps --target "$ROOT/extra" gguf scipy

@@ -63,8 +63,9 @@ PY="$VENV/bin/python"
     || { echo "setup_env: $VENV needs Python >= 3.10" >&2; exit 1; }
 rm -f "$STAMP"   # a failure below must not leave an old stamp claiming success
 
-pip() {  # pip through the venv's python, without the noise of missing local index folders
-    "$PY" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+pip() {  # pip through the venv's python, without the noise of missing local index folders and
+        # without a second copy of every wheel in pip's cache (a fresh CI host's disk is small)
+    "$PY" -m pip --no-cache-dir "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 }
 
 installed_version() {  # installed_version DIST -> version or empty

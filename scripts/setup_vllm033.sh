@@ -3,9 +3,9 @@
 # directory, so scheduler-level tests can put them first on sys.path and check the plugin's
 # pure-Python logic against 0.33 while everything else (torch, transformers...) comes from .venv.
 #
-#   .venv-vllm033/site/vllm/...    the unpacked vllm==0.33.0 wheel (CUDA build: its compiled
-#                                  extensions do not load here; the pure-Python modules, e.g.
-#                                  vllm.v1.core.sched, vllm.v1.core.kv_cache_manager, do)
+#   .venv-vllm033/site/vllm/...    the Python modules and data of the vllm==0.33.0 wheel
+#                                  (scripts/unpack_sources.py: ~60 MB; its CUDA extensions and
+#                                  vendored headers, ~750 MB, are left out and the wheel deleted)
 #   .venv-vllm033/.stamp           the installed version; a matching stamp makes a rerun a no-op
 #
 # Use:  PYTHONPATH=.venv-vllm033/site .venv/bin/python -c 'import vllm; print(vllm.__version__)'
@@ -34,17 +34,17 @@ wheels="$(mktemp -d "$DEST/.download-XXXXXX")"
 trap 'rm -rf "$wheels" "$SITE.new"' EXIT
 
 log "downloading vllm==$VERSION (wheel only, --no-deps)"
-if ! "$PY" -m pip download --quiet --no-deps --dest "$wheels" "vllm==$VERSION"; then
+if ! "$PY" -m pip download --quiet --no-cache-dir --no-deps --dest "$wheels" "vllm==$VERSION"; then
     echo "setup_vllm033: 'pip download --no-deps vllm==$VERSION' failed" >&2
     exit 1
 fi
 wheel="$(ls "$wheels"/vllm-*.whl)"
 log "got $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
 
-log "installing it with --no-deps --target $SITE"
+log "unpacking its Python modules into $SITE"
 rm -rf "$SITE.new"
-"$PY" -m pip install --quiet --no-deps --no-compile --target "$SITE.new" "$wheel"
-rm -rf "$SITE"
+"$PY" "$ROOT/scripts/unpack_sources.py" "$wheel" "$SITE.new"
+rm -rf "$wheels" "$SITE"
 mv "$SITE.new" "$SITE"
 
 got="$(cd / && "$PY" - "$SITE" <<'PYEOF'
