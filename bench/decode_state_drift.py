@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -120,6 +121,7 @@ def measure(name: str, dtype: str, state_dtype: str, lengths: tuple[int, ...], p
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the report
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=DTYPES,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import statistics
 import sys
 import threading
@@ -164,6 +165,7 @@ def lockstep_round(workload: str, upstream_twice: bool = False) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the report
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="chat")
     parser.add_argument("--rounds", type=int, default=3)
