@@ -7,15 +7,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 ROOT=.venv-matrix
-mkdir -p "$ROOT/wheels" "$ROOT/src"
+mkdir -p "$ROOT/src"
 for spec in vllm==0.23.0 vllm==0.26.0 vllm-ascend==0.23.0 vllm-ascend==0.26.0rc1; do
   name=${spec%%==*}; version=${spec##*==}; dest="$ROOT/src/${name//-/_}-$version"
   [ "$name" = vllm ] && dest="$ROOT/src/vllm-$version"
   [ -d "$dest" ] && continue
+  mkdir -p "$ROOT/wheels"
   "$PY" -m pip download -q --no-cache-dir --no-deps -d "$ROOT/wheels" "$spec"
   wheel=$(ls "$ROOT"/wheels/"${name//-/_}"-"$version"*.whl | head -1)
   rm -rf "$dest.new"
-  "$PY" scripts/unpack_sources.py "$wheel" "$dest.new" && mv "$dest.new" "$dest"
+  "$PY" scripts/unpack_sources.py "$wheel" "$dest.new"
+  mv "$dest.new" "$dest"
   rm -f "$wheel"  # the unpacked Python is all that is used; the wheels were 600 MB
 done
+rm -rf "$ROOT/wheels"  # also what earlier versions of this script left there
 [ -d "$ROOT/extra/scipy" ] || "$PY" -m pip install -q --no-cache-dir --no-deps --target "$ROOT/extra" gguf scipy

@@ -2,35 +2,42 @@
 
 What the source-only trees (vLLM 0.23/0.26/0.33, vllm-ascend) need is the Python modules, their
 data (JSON configs, templates) and the dist-info.  Left out: compiled extensions (``*.so``),
-native executables and the vendored C++/CUDA headers under ``third_party/`` -- about 94 % of a
+ELF executables and the vendored C++/CUDA headers under ``third_party/`` -- about 94 % of a
 CUDA vLLM wheel (0.33.0: 813 MB installed, 51 MB of it Python and data).  Prints the bytes kept.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import zipfile
 from pathlib import Path, PurePosixPath
 
-NATIVE_SUFFIXES = (".so", ".dylib", ".dll", ".pyd", ".a", ".o")
+SHARED_LIBRARY = re.compile(r"\.so(\.\d+)*$")  # libfoo.so, libfoo.so.1.2
+NATIVE_SUFFIXES = (".dylib", ".dll", ".pyd", ".a", ".o")
 KEPT_UNDER_THIRD_PARTY = (".py", ".pyi", ".json")
+ELF_MAGIC = b"\x7fELF"
 
 
-def is_native(name: str, external_attr: int) -> bool:
-    path = PurePosixPath(name)
-    if any(suffix in NATIVE_SUFFIXES or suffix.startswith(".so") for suffix in path.suffixes):
+def is_native(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bool:
+    path = PurePosixPath(info.filename)
+    if any(part.endswith(".dist-info") for part in path.parts[:-1]):
+        return False
+    if SHARED_LIBRARY.search(path.name) or path.suffix in NATIVE_SUFFIXES:
         return True
     if "third_party" in path.parts and path.suffix not in KEPT_UNDER_THIRD_PARTY:
         return True
-    executable = (external_attr >> 16) & 0o111
-    return bool(executable) and not path.suffix  # e.g. vllm/vllm-rs (a 60 MB binary)
+    if path.suffix:
+        return False
+    with archive.open(info) as member:  # e.g. vllm/vllm-rs, a 60 MB executable
+        return member.read(len(ELF_MAGIC)) == ELF_MAGIC
 
 
 def unpack(wheel: Path, dest: Path) -> int:
     kept = 0
     with zipfile.ZipFile(wheel) as archive:
         for info in archive.infolist():
-            if info.is_dir() or is_native(info.filename, info.external_attr):
+            if info.is_dir() or is_native(archive, info):
                 continue
             target = dest / info.filename
             if not target.resolve().is_relative_to(dest.resolve()):

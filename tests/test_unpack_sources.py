@@ -18,18 +18,26 @@ EXECUTABLE = 0o100755 << 16
 PLAIN = 0o100644 << 16
 KEPT = {
     "pkg/__init__.py": PLAIN,
+    "pkg/solver.sol": PLAIN,
+    "pkg/LICENSE": EXECUTABLE,  # suffix-less and executable, but not a binary
+    "pkg-1.0.dist-info/RECORD": EXECUTABLE,
     "pkg/configs/E=8.json": PLAIN,
     "pkg/templates/chat.jinja": PLAIN,
     "pkg/third_party/pynvml.py": PLAIN,
-    "pkg/run.sh": EXECUTABLE,  # an executable with a suffix is a script, kept
+    "pkg/run.sh": EXECUTABLE,
     "pkg-1.0.dist-info/METADATA": PLAIN,
 }
 LEFT_OUT = {
     "pkg/_C.abi3.so": EXECUTABLE,
-    "pkg/libfoo.so.1": PLAIN,
-    "pkg/vllm-rs": EXECUTABLE,
+    "pkg/libfoo.so.1.2": PLAIN,
+    "pkg/vllm-rs": EXECUTABLE,  # an ELF binary without a suffix
     "pkg/third_party/cutlass/include/mma.hpp": PLAIN,
 }
+
+
+def contents(name: str) -> bytes:
+    binary = name.endswith("vllm-rs")
+    return (b"\x7fELF\x02\x01" if binary else b"") + f"contents of {name}".encode()
 
 
 def make_wheel(path: Path, entries: dict[str, int]) -> None:
@@ -37,7 +45,7 @@ def make_wheel(path: Path, entries: dict[str, int]) -> None:
         for name, mode in entries.items():
             info = zipfile.ZipInfo(name)
             info.external_attr = mode
-            archive.writestr(info, f"contents of {name}")
+            archive.writestr(info, contents(name))
 
 
 def test_only_python_and_data_are_unpacked(tmp_path):
@@ -48,7 +56,7 @@ def test_only_python_and_data_are_unpacked(tmp_path):
     found = {p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()}
     assert found == set(KEPT)
     assert (dest / "pkg/__init__.py").read_text() == "contents of pkg/__init__.py"
-    assert kept == sum(len(f"contents of {name}") for name in KEPT)
+    assert kept == sum(len(contents(name)) for name in KEPT)
 
 
 def test_an_entry_outside_the_destination_is_refused(tmp_path):

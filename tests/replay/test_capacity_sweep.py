@@ -111,8 +111,8 @@ def test_plugin_reaches_the_attention_bound_where_the_pool_holds_the_working_set
 
 
 @pytest.mark.skipif(not has_mamba2_prefill_checkpoint(), reason=(
-    "no Mamba2 prefill checkpoint in this vLLM (0.32+): the plugin plans no interior Mamba2 "
-    "state, so the row does not exercise the headroom"))
+    "no Mamba2 prefill checkpoint in this vLLM (it came in 0.32): the plugin plans no interior "
+    "Mamba2 state, so the row does not exercise the headroom"))
 def test_interior_states_leave_a_block_for_each_request_holding_blocks():
     """agentic, nemotron-h-8b, 131,072 tokens (about 126 blocks): interior tail blocks taken
     without headroom made later allocations of the same step fail, preemptions upstream does
