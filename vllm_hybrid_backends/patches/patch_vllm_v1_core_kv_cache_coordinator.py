@@ -816,10 +816,6 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
                 planned.append((group, columns))
         if planned:
             allocation.interior = True
-            # headroom: one block per request the manager tracks (the running ones, this one
-            # included), so extras do not make another request's next allocation fail (a
-            # preemption upstream would not have); without it the chunk goes without them
-            count += len(managers[0][1].req_to_blocks)
     if not apply_admission_cap:
         allocation.plan = planned or None
     return count
