@@ -2,8 +2,8 @@
 
 What the source-only trees (vLLM 0.23/0.26/0.33, vllm-ascend) need is the Python modules, their
 data (JSON configs, templates) and the dist-info.  Left out: compiled extensions (``*.so``),
-ELF executables and the vendored C++/CUDA headers under ``third_party/`` -- about 94 % of a
-CUDA vLLM wheel (0.33.0: 813 MB installed, 51 MB of it Python and data).  Prints the bytes kept.
+ELF executables and the vendored C++/CUDA headers under ``third_party/`` -- about 93 % of a
+CUDA vLLM wheel (0.33.0: 813 MB installed, 56 MB kept).  Prints the bytes kept.
 """
 
 from __future__ import annotations
