@@ -3,11 +3,15 @@
     python bench/placement_sweep.py                      # the full grid (tens of minutes)
     python bench/placement_sweep.py --workloads agentic --shapes qwen3.5-0.8b --capacities 65536
     python bench/placement_sweep.py --json --check       # exit 1 if a row breaks the rules
+    python bench/placement_sweep.py --capacities 65536 --seeds 0,1,2,3   # each row per seed
 
 Each row replays one workload on one model shape at one KV capacity (tokens) through vLLM's
 real scheduler, upstream and plugin (report.compare_policies, the same runs as `replay`).
 ``--check`` fails a row where the plugin hits less than upstream, or any state mismatch or
 leaked block occurs. Rows print to stderr as they finish; ``--json`` prints all of them.
+``--seeds`` replays each row on workloads drawn with each seed (the generators' ``seed``) and
+ends with one line per row: on how many seeds the plugin was below upstream, and the mean and
+range of plugin - upstream, so a loss can be told from one draw's luck.
 """
 
 from __future__ import annotations
@@ -24,18 +28,18 @@ DEFAULT_SHAPES = ("qwen3.5-0.8b", "qwen3-next-80b-a3b", "nemotron-h-8b")
 DEFAULT_CAPACITIES = (65_536, 131_072, 262_144, 2_000_000)
 
 
-def sweep_row(workload: str, shape: str, cache_tokens: int) -> dict[str, Any]:
+def sweep_row(workload: str, shape: str, cache_tokens: int, seed: int = 0) -> dict[str, Any]:
     from vllm_hybrid_backends.replay.harness import ReplayConfig
     from vllm_hybrid_backends.replay.report import compare_policies
     from vllm_hybrid_backends.replay.workloads import make_workload
 
     config = ReplayConfig(model_shape=shape, cache_tokens=cache_tokens)
-    trace = make_workload(workload, block_size=config.layout().block_size)
+    trace = make_workload(workload, block_size=config.layout().block_size, seed=seed)
     started = time.perf_counter()
     report = compare_policies(trace, config, ["upstream", "plugin"])
     up, plug = report.policies["upstream"], report.policies["plugin"]
     return {
-        "workload": workload, "model_shape": shape, "cache_tokens": cache_tokens,
+        "workload": workload, "model_shape": shape, "cache_tokens": cache_tokens, "seed": seed,
         "block_size": report.block_size, "num_blocks": report.num_blocks,
         "upstream": round(up.token_hit_rate, 4), "plugin": round(plug.token_hit_rate, 4),
         "bound": round(plug.bound_hit_rate, 4), "ideal": round(plug.ideal_hit_rate, 4),
@@ -75,6 +79,33 @@ def _positive_ints(text: str) -> list[int]:
     return values
 
 
+def _seeds(text: str) -> list[int]:
+    values = []
+    for part in text.split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{part!r}: seeds are integers >= 0")
+        values.append(value)
+    return values
+
+
+def seed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (workload, shape, capacity): seeds run, seeds with plugin below upstream, and the
+    mean, lowest and highest plugin - upstream token hit rate."""
+    grouped: dict[tuple[str, str, int], list[float]] = {}
+    for row in rows:
+        key = (row["workload"], row["model_shape"], row["cache_tokens"])
+        grouped.setdefault(key, []).append(row["plugin"] - row["upstream"])
+    return [{"workload": w, "model_shape": s, "cache_tokens": c, "seeds": len(deltas),
+             "below_upstream": sum(d < 0 for d in deltas),
+             "mean_delta": round(sum(deltas) / len(deltas), 4),
+             "min_delta": round(min(deltas), 4), "max_delta": round(max(deltas), 4)}
+            for (w, s, c), deltas in grouped.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     from vllm_hybrid_backends.replay.shapes import MODEL_SHAPES
     from vllm_hybrid_backends.replay.workloads import WORKLOADS
@@ -87,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, of: {', '.join(sorted(MODEL_SHAPES))}")
     parser.add_argument("--capacities", type=_positive_ints,
                         default=list(DEFAULT_CAPACITIES), help="comma-separated token counts")
+    parser.add_argument("--seeds", type=_seeds, default=[0],
+                        help="comma-separated workload seeds; each row runs once per seed")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if plugin < upstream, a state mismatch or a leak occurs")
@@ -102,16 +135,26 @@ def main(argv: list[str] | None = None) -> int:
     for workload in workloads:
         for shape in shapes:
             for capacity in args.capacities:
-                row = sweep_row(workload, shape, capacity)
-                rows.append(row)
-                problems = row_problems(row)
-                if problems:
-                    failed.append((row, problems))
-                print(f"{workload:10s} {shape:20s} {capacity:>9,d}  upstream {row['upstream']:.4f}"
-                      f"  plugin {row['plugin']:.4f}  bound {row['bound']:.4f}"
-                      f"  ideal {row['ideal']:.4f}  preempt {row['preemptions']['plugin']}"
-                      f"  {row['wall_s']}s{'  ' + '; '.join(problems) if problems else ''}",
-                      file=sys.stderr, flush=True)
+                for seed in args.seeds:
+                    row = sweep_row(workload, shape, capacity, seed)
+                    rows.append(row)
+                    problems = row_problems(row)
+                    if problems:
+                        failed.append((row, problems))
+                    print(f"{workload:10s} {shape:20s} {capacity:>9,d}"
+                          f"{f'  seed {seed}' if len(args.seeds) > 1 else ''}"
+                          f"  upstream {row['upstream']:.4f}"
+                          f"  plugin {row['plugin']:.4f}  bound {row['bound']:.4f}"
+                          f"  ideal {row['ideal']:.4f}  preempt {row['preemptions']['plugin']}"
+                          f"  {row['wall_s']}s{'  ' + '; '.join(problems) if problems else ''}",
+                          file=sys.stderr, flush=True)
+    if len(args.seeds) > 1:
+        for line in seed_summary(rows):
+            print(f"{line['workload']:10s} {line['model_shape']:20s} {line['cache_tokens']:>9,d}"
+                  f"  below upstream on {line['below_upstream']} of {line['seeds']} seeds;"
+                  f"  plugin - upstream mean {line['mean_delta']:+.4f}"
+                  f" [{line['min_delta']:+.4f}, {line['max_delta']:+.4f}]",
+                  file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(rows, indent=1))
     if args.check and failed:

@@ -1,0 +1,39 @@
+"""``bench/placement_sweep.py``: its argument checks and the per-seed summary (no replay runs
+here; the rows in docs/results.md come from real runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "placement_sweep.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("placement_sweep", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_bad_seed_is_refused_naming_it():
+    proc = subprocess.run([sys.executable, str(BENCH), "--seeds", "0,-2"], capture_output=True,
+                          text=True, check=False, timeout=120)
+    assert proc.returncode == 2
+    assert "'-2': seeds are integers >= 0" in proc.stderr, proc.stderr
+
+
+def test_the_seed_summary_counts_the_seeds_below_upstream_per_row():
+    def row(workload, seed, upstream, plugin):
+        return {"workload": workload, "model_shape": "nemotron-h-8b", "cache_tokens": 65536,
+                "seed": seed, "upstream": upstream, "plugin": plugin}
+
+    rows = [row("agentic", 0, 0.30, 0.25), row("agentic", 1, 0.30, 0.40),
+            row("agentic", 2, 0.20, 0.20), row("chat", 0, 0.10, 0.12)]
+    agentic, chat = _module().seed_summary(rows)
+    assert (agentic["seeds"], agentic["below_upstream"]) == (3, 1)
+    assert (agentic["min_delta"], agentic["max_delta"]) == (-0.05, 0.1)
+    assert agentic["mean_delta"] == 0.0167
+    assert (chat["workload"], chat["seeds"], chat["below_upstream"]) == ("chat", 1, 0)
