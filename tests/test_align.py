@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from vllm_hybrid_backends import align
+from vllm_hybrid_backends import align, interior
 from vllm_hybrid_backends.compat import version_allows
 from vllm_hybrid_backends.patches import (
     patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch,
@@ -592,3 +592,35 @@ def test_deferred_probation_leaves_a_state_whose_kind_was_proven_meanwhile():
         state.ledger.record_hit(200 + block, ("h", block))
     popped = queue.popleft_n(len(uncached) + 1)
     assert popped[-1] is kept_by_vllm and _ids(queue) == [100]
+
+
+def test_unproven_interior_states_take_only_blocks_no_upstream_state_needs():
+    state = coordinator_patch.CoordinatorState()
+    probation_block = _block(7, True)
+    queue = _queue_with([_block(0, False), _block(1, False), probation_block, _block(2, True),
+                         _block(3, True)])
+    state.probation[7] = probation_block.block_hash  # an extra on probation: may be taken
+    pool = types.SimpleNamespace(free_block_queue=queue)
+    planned = [(1, [3, 4, 5]), (2, [3, 4, 5]), (3, [])]
+    # three blocks spare (two uncached, one on probation), one reserved for vLLM's own: one
+    # column per group, the one nearest the chunk's end
+    assert coordinator_patch._affordable_interior(state, pool, 1, planned) == [(1, [5]), (2, [5])]
+    assert coordinator_patch._affordable_interior(state, pool, 3, planned) == []
+    roomy = types.SimpleNamespace(free_block_queue=_queue_with(
+        [_block(i, False) for i in range(10, 20)]))
+    assert coordinator_patch._affordable_interior(state, roomy, 2, planned) == planned[:2]
+
+
+def test_interior_columns_part_proven_kinds_from_the_ones_still_on_trial():
+    ledger = align.RetentionLedger()
+    for block in range(align.RETENTION_WARMUP):  # tail-1 states warmed up and reused
+        ledger.record_kept("tail-1", block, ("h", block))
+        ledger.record_hit(block, ("h", block))
+    manager = types.SimpleNamespace(block_size=128, _partial_hit_reqs=set())
+    request = types.SimpleNamespace(request_id="r", num_prompt_tokens=1500, num_tokens=1500)
+    proven, trial = coordinator_patch._interior_columns(ledger, manager, request, 0, 1500)
+    policy = align.policy_for_model(align.active_policy(), internal_prefill_checkpoints=False,
+                                    interior_states=True)
+    every = align.interior_tail_checkpoints(0, 1500, 1500, 128, policy)
+    assert proven == interior.planned_columns([1280], 128)  # tail-1: 1408 - 128
+    assert sorted(proven + trial) == interior.planned_columns(every, 128) and len(trial) > 1

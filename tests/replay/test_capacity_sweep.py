@@ -8,8 +8,9 @@ guard the rules; the small rows tried so far (rag, 60-120 prompts, 262,144-1,000
 do not reproduce the full row's loss on the code before deferred probation. Both policies run
 through vLLM's real scheduler (``replay.harness.run_replay``). A tiny scenario checks the
 rule behind them (issue 15 item 3): a state a request got from a hit is not its extra, so
-it is not put on probation ahead of the states upstream keeps. (Interior tail blocks may still
-evict such a state: a gate against that cost the bundled agentic replay 0.594 -> 0.537.)
+it is not put on probation ahead of the states upstream keeps, and interior tail blocks of a
+kind the ledger has not proven do not evict it either. (Proven kinds may: gating them too cost
+the bundled agentic replay 0.594 -> 0.537.)
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ def _state_upstream_keeps_trace(pressure_tokens: int) -> Trace:
     # main before hb-place2: r2 recorded the state it hit as its own tail state and put it
     # on probation, so it went before every block vLLM keeps (r4: plugin 0, upstream 16)
     pytest.param(40, id="hit-state-is-not-an-extra"),
+    # ... and r3's interior tail states (of kinds not yet proven) took blocks by evicting it
+    # (r4: plugin 0, upstream 16)
+    pytest.param(72, id="unproven-interior-states-evict-no-kept-block"),
 ])
 def test_a_state_a_request_hit_is_not_put_on_probation(pressure_tokens):
     config = ReplayConfig(shape=tiny_shape(), platform="any", block_size=8, cache_tokens=240,

@@ -51,7 +51,10 @@ finished request's cached prefix from its end, all groups together.
   ``allocate_slots`` allocates a multi-token chunk, as is ``allocate_new_blocks``: a decode
   step runs vLLM's own) adds one block per admitted tail
   checkpoint strictly inside the chunk (:func:`vllm_hybrid_backends.align.interior_tail_checkpoints`)
-  to vLLM's count and remembers the columns; ``allocate_new_blocks`` puts a fresh block where
+  to vLLM's count (for a kind the ledger has not proven, only as many as the pool gives
+  without evicting a cached block that is not an extra state, :func:`_affordable_interior`:
+  a state on trial never pushes out what upstream keeps) and remembers the columns;
+  ``allocate_new_blocks`` puts a fresh block where
   vLLM padded those columns with the null block. The worker finds them in its block table
   (:func:`vllm_hybrid_backends.interior.checkpoints`) and stores the states through
   ``hb_store_checkpoints``; ``cache_blocks`` hashes them like any kept boundary, and
@@ -765,19 +768,27 @@ def _interior_managers(coordinator: Any) -> list[tuple[int, Any]]:
 
 
 def _interior_columns(ledger: align.RetentionLedger, manager: Any, request: Any, start: int,
-                      end: int) -> list[int]:
+                      end: int) -> tuple[list[int], list[int]]:
+    """The block-table columns of the chunk's interior tail states: (those of kinds the
+    ledger has proven, those of kinds admitted unproven: warming up or explored)."""
     policy = align.policy_for_model(align.active_policy(), internal_prefill_checkpoints=False,
                                     interior_states=True)
     if (not policy.interior_states or request.request_id in manager._partial_hit_reqs
             or start >= max(request.num_prompt_tokens, request.num_tokens - 1)):
-        return []
-    admitted = None
-    if policy.adaptive_retention:
-        request_id = request.request_id
-        admitted = lambda kind: ledger.admits(kind, request_id)  # noqa: E731
+        return [], []
     size = manager.block_size
-    return interior.planned_columns(align.interior_tail_checkpoints(
-        start, end, request.num_prompt_tokens, size, policy, admitted), size)
+    if not policy.adaptive_retention:
+        return interior.planned_columns(align.interior_tail_checkpoints(
+            start, end, request.num_prompt_tokens, size, policy), size), []
+    request_id = request.request_id
+
+    def columns(proven: bool) -> list[int]:
+        return interior.planned_columns(align.interior_tail_checkpoints(
+            start, end, request.num_prompt_tokens, size, policy,
+            lambda kind: ledger.admits(kind, request_id) and ledger.proven(kind) is proven),
+            size)
+
+    return columns(True), columns(False)
 
 
 def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
@@ -804,21 +815,67 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
     planned: list[tuple[int, list[int]]] = []
     if (managers and request.request_id == request_id  # one-block chunks plan nothing
             and num_tokens_main_model - total_computed_tokens > managers[0][1].block_size):
-        ledger = state_of(self).ledger
+        state = state_of(self)
+        unproven: list[tuple[int, list[int]]] = []
         for group, manager in managers:
             if manager._has_partial_local_hit(new_computed_blocks[group],
                                               num_local_computed_tokens):
                 continue
-            columns = _interior_columns(ledger, manager, request, total_computed_tokens,
-                                        num_tokens_main_model)
+            columns, trial = _interior_columns(state.ledger, manager, request,
+                                               total_computed_tokens, num_tokens_main_model)
             if columns:
                 count += len(columns)
-                planned.append((group, columns))
+            planned.append((group, columns))
+            unproven.append((group, trial))
+        affordable = dict(_affordable_interior(state, self.block_pool, count, unproven))
+        if affordable:
+            count += sum(len(columns) for columns in affordable.values())
+            planned = [(group, sorted(columns + affordable.get(group, [])))
+                       for group, columns in planned]
+        planned = [(group, columns) for group, columns in planned if columns]
         if planned:
             allocation.interior = True
     if not apply_admission_cap:
         allocation.plan = planned or None
     return count
+
+
+def _affordable_interior(state: CoordinatorState, block_pool: Any, reserved: int,
+                         planned: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+    """The interior columns of unproven kinds in ``planned`` (per Mamba group) whose blocks the
+    pool can give without evicting a cached block that is not an extra state, after the
+    ``reserved`` blocks allocated first: a state with no record of reuse may take an uncached
+    free block or another extra's block, never a prefix or state upstream would still hold.
+    Fewer columns keep the ones nearest the chunk end, as many in every group (a hit needs
+    them all)."""
+    planned = [(group, columns) for group, columns in planned if columns]
+    wanted = sum(len(columns) for _, columns in planned)
+    if not wanted:
+        return []
+    spare = _spare_for_extras(state, block_pool.free_block_queue, reserved + wanted) - reserved
+    if spare >= wanted:
+        return planned
+    per_group = max(spare, 0) // len(planned)
+    if not per_group:
+        return []
+    return [(group, columns[-per_group:]) for group, columns in planned]
+
+
+def _spare_for_extras(state: CoordinatorState, queue: Any, limit: int) -> int:
+    """How many free blocks can be taken, up to ``limit``, before vLLM's free queue would evict
+    a cached block that is not an extra state: the uncached and probation blocks at its head,
+    and the deferred probation blocks (moved in front when an eviction comes)."""
+    spare = 0
+    block = queue.fake_free_list_head.next_free_block
+    while spare < limit and block is not queue.fake_free_list_tail and (
+            block.block_hash is None or _on_probation(state, block)):
+        spare += 1
+        block = block.next_free_block
+    for block, block_hash in state.deferred.values():  # many only while uncached blocks abound
+        if spare >= limit:
+            break
+        spare += _still_deferred(state, block, block_hash)
+    return spare
 
 
 def _still_deferred(state: CoordinatorState, block: Any, block_hash: Any) -> bool:
