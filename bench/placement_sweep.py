@@ -66,30 +66,22 @@ def row_problems(row: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _positive_ints(text: str) -> list[int]:
-    values = []
-    for part in text.split(","):
-        try:
-            value = int(part.replace("_", ""))
-        except ValueError:
-            value = 0
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{part!r}: capacities are positive integers")
-        values.append(value)
-    return values
+def _int_list(minimum: int, what: str) -> Any:
+    """An argparse type: comma-separated integers >= ``minimum`` (``_`` separators allowed)."""
 
+    def parse(text: str) -> list[int]:
+        values = []
+        for part in text.split(","):
+            try:
+                value = int(part.replace("_", ""))
+            except ValueError:
+                value = minimum - 1
+            if value < minimum:
+                raise argparse.ArgumentTypeError(f"{part!r}: {what}")
+            values.append(value)
+        return values
 
-def _seeds(text: str) -> list[int]:
-    values = []
-    for part in text.split(","):
-        try:
-            value = int(part)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{part!r}: seeds are integers >= 0")
-        values.append(value)
-    return values
+    return parse
 
 
 def seed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -116,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, of: {', '.join(sorted(WORKLOADS))}")
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                         help=f"comma-separated, of: {', '.join(sorted(MODEL_SHAPES))}")
-    parser.add_argument("--capacities", type=_positive_ints,
+    parser.add_argument("--capacities", type=_int_list(1, "capacities are positive integers"),
                         default=list(DEFAULT_CAPACITIES), help="comma-separated token counts")
-    parser.add_argument("--seeds", type=_seeds, default=[0],
+    parser.add_argument("--seeds", type=_int_list(0, "seeds are integers >= 0"), default=[0],
                         help="comma-separated workload seeds; each row runs once per seed")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     parser.add_argument("--check", action="store_true",
