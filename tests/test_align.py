@@ -618,9 +618,47 @@ def test_interior_columns_part_proven_kinds_from_the_ones_still_on_trial():
         ledger.record_hit(block, ("h", block))
     manager = types.SimpleNamespace(block_size=128, _partial_hit_reqs=set())
     request = types.SimpleNamespace(request_id="r", num_prompt_tokens=1500, num_tokens=1500)
-    proven, trial = coordinator_patch._interior_columns(ledger, manager, request, 0, 1500)
+    proven, trial, refused = coordinator_patch._interior_columns(ledger, manager, request, 0,
+                                                                 1500)
     policy = align.policy_for_model(align.active_policy(), internal_prefill_checkpoints=False,
                                     interior_states=True)
     every = align.interior_tail_checkpoints(0, 1500, 1500, 128, policy)
     assert proven == interior.planned_columns([1280], 128)  # tail-1: 1408 - 128
     assert sorted(proven + trial) == interior.planned_columns(every, 128) and len(trial) > 1
+    assert refused == {}
+
+
+def test_interior_columns_offer_kinds_the_ledger_refuses_for_trial():
+    ledger = align.RetentionLedger()
+    for block in range(align.RETENTION_WARMUP * align.RETENTION_MIN_REUSE):  # never reused
+        ledger.record_kept("tail-1", block, ("h", block))
+    request = types.SimpleNamespace(request_id="r", num_prompt_tokens=1500, num_tokens=1500)
+    assert zlib.crc32(b"r") % align.RETENTION_EXPLORE  # "r" is not sampled for exploration
+    assert not ledger.admits("tail-1", "r")
+    manager = types.SimpleNamespace(block_size=128, _partial_hit_reqs=set())
+    proven, trial, refused = coordinator_patch._interior_columns(ledger, manager, request, 0,
+                                                                 1500)
+    tail_1 = interior.planned_columns([1280], 128)[0]  # 1408 - 128
+    assert proven == [] and refused[tail_1] == "tail-1" and tail_1 not in trial
+    # the pool gave its block: the request keeps that state after all, the others stay as decided
+    ledger.keep_on_trial([refused[tail_1]], "r")
+    assert zlib.crc32(b"q") % align.RETENTION_EXPLORE
+    assert ledger.admits("tail-1", "r") and not ledger.admits("tail-1", "q")
+    assert "tail-2" in refused.values() and not ledger.admits("tail-2", "r")
+    ledger.forget_request("r")
+    assert not ledger.admits("tail-1", "r")
+
+
+def test_refused_kinds_get_interior_blocks_only_from_a_roomy_pool():
+    margin = coordinator_patch.ROOMY_UNCACHED_BLOCKS
+    planned = [(1, [3, 4]), (2, [3, 4]), (3, [])]
+    # four columns, two blocks reserved for vLLM's own: 6 + margin uncached blocks needed
+    roomy = _queue_with([_block(i, False) for i in range(6 + margin)] + [_block(900, True)])
+    assert coordinator_patch._roomy_interior(roomy, 2, planned) == planned[:2]
+    short = _queue_with([_block(i, False) for i in range(5 + margin)])
+    assert coordinator_patch._roomy_interior(short, 2, planned) == []
+    # a cached block (an extra on probation too: it has a hash) ends the count
+    split = _queue_with([_block(i, False) for i in range(3)] + [_block(900, True)]
+                        + [_block(i, False) for i in range(10, 20 + margin)])
+    assert coordinator_patch._roomy_interior(split, 2, planned) == []
+    assert coordinator_patch._roomy_interior(roomy, 2, [(1, []), (2, [])]) == []

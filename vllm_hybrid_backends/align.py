@@ -27,7 +27,10 @@ per-request paths then read no environment variable):
 - ``VLLM_HYBRID_ADAPTIVE_RETENTION`` (default 1): keep tail and decode states only while
   states of that kind are being reused (:class:`RetentionLedger`); a kind that is not (decode
   states on agentic prompts that insert the answer before a fixed tail; tail states on chat
-  that always resumes past the prompt) stops costing memory and chunk splits.
+  that always resumes past the prompt) stops costing memory and chunk splits. States stored
+  inside the chunk cost no split: those of a kind not admitted are still kept while the pool
+  has many uncached blocks free (on trial, evicted first when released), so a kind whose
+  reuse is rare but real (most prompts never come back) keeps earning its record.
 - ``VLLM_HYBRID_INTERIOR_STATES`` (default 1): where the Mamba layers' forward can store states
   at block boundaries inside a prefill chunk (:func:`vllm_hybrid_backends.interior.checkpoints`; vLLM-CPU's gated
   delta net and Mamba2 with this plugin), tail checkpoints get a cache block inside the chunk instead of a
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -272,6 +275,15 @@ class RetentionLedger:
             decisions[kind] = decision
         return decision
 
+    def keep_on_trial(self, kinds: Iterable[str], request_id: str) -> None:
+        """Admit ``kinds`` for ``request_id`` whatever their record: the cache gave these states
+        blocks no cached prefix or state held, and (unless the kind itself is proven and only
+        its family is refused) they go on probation when released; their reuse is counted
+        like any other."""
+        decisions = self._decisions.setdefault(request_id, {})
+        for kind in kinds:
+            decisions[kind] = True
+
     def record_kept(self, kind: str, block_id: int, block_hash: object) -> None:
         entry = self._states.get(block_id)
         if entry is not None and entry[1] == block_hash:
@@ -359,12 +371,20 @@ def interior_tail_checkpoints(start: int, end: int, num_prompt_tokens: int, bloc
                               admitted: Callable[[str], bool] | None = None) -> list[int]:
     """The tail checkpoints strictly inside the prefill chunk ``[start, end)`` whose states the
     KV-cache manager gives a block in that chunk (``interior_states``), ascending."""
+    return sorted(p for kind, p in interior_tail_checkpoints_by_kind(
+        start, end, num_prompt_tokens, block_size, policy).items()
+        if admitted is None or admitted(kind))
+
+
+def interior_tail_checkpoints_by_kind(start: int, end: int, num_prompt_tokens: int,
+                                      block_size: int, policy: AlignPolicy) -> dict[str, int]:
+    """:func:`interior_tail_checkpoints`, every kind, keyed by kind."""
     if not policy.tail_checkpoints or end - start <= block_size:
-        return []
+        return {}
     first = -(-start // block_size) * block_size  # a partial first block's state is the hit's
-    return sorted(p for kind, p in tail_checkpoints_by_kind(
+    return {kind: p for kind, p in tail_checkpoints_by_kind(
         num_prompt_tokens, block_size, policy.tail_checkpoints, policy.dense_tails).items()
-        if first < p < end and p > start and (admitted is None or admitted(kind)))
+        if first < p < end and p > start}
 
 
 def suffix_eviction_order(groups: Sequence[tuple[int, Sequence[T]]]) -> list[T]:

@@ -15,10 +15,12 @@ the bundled agentic replay 0.594 -> 0.537.)
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import pytest
 
+from vllm_hybrid_backends import align
 from vllm_hybrid_backends.compat import version_allows
 from vllm_hybrid_backends.replay.harness import ReplayConfig, run_replay
 from vllm_hybrid_backends.replay.policy import get_policy
@@ -94,6 +96,41 @@ def test_a_state_a_request_hit_is_not_put_on_probation(pressure_tokens):
     for run in (upstream, plugin):
         assert not run.mismatches, run.mismatches[:1]
         assert run.blocks_leaked == 0
+
+
+def _rarely_reused_tails_trace(producer: str) -> Trace:
+    """Ten one-off prompts teach the ledger that tail states are never reused (as in the
+    public Mooncake conversation trace, where most prompts share only the system prompt);
+    then ``producer``'s prompt is extended by a follow-up that leaves it one block before its
+    last boundary (32), at 24, where only a tail state can serve it."""
+    requests, previous = [], None
+    for number in range(10):
+        requests.append(TraceRequest(f"w{number}", list(range(1000 + 100 * number,
+                                                              1040 + 100 * number)),
+                                     [7] * 3, after=previous))
+        previous = requests[-1].id
+    prompt = list(range(100, 140))
+    requests.append(TraceRequest(producer, prompt, [7] * 3, after=previous))
+    requests.append(TraceRequest("follow-up", prompt[:24] + list(range(500, 516)), [7] * 3,
+                                 after=producer))
+    return Trace("rarely-reused-tails", requests)
+
+
+def test_a_tail_state_of_a_kind_the_ledger_refuses_is_kept_while_the_pool_has_room():
+    producer = "p2"
+    assert zlib.crc32(producer.encode()) % align.RETENTION_EXPLORE  # not sampled to explore
+    config = ReplayConfig(shape=tiny_shape(), platform="any", block_size=8, cache_tokens=4000,
+                          max_num_batched_tokens=64, max_num_seqs=4)
+    trace = _rarely_reused_tails_trace(producer)
+    upstream = run_replay(trace, config, get_policy("upstream"))
+    plugin = run_replay(trace, config, get_policy("plugin"))
+    assert upstream.requests["follow-up"].hit_tokens == 0
+    # main before the trial rule: 0, the ledger had stopped admitting every tail distance
+    assert plugin.requests["follow-up"].hit_tokens == 24
+    for run in (upstream, plugin):
+        assert not run.mismatches, run.mismatches[:1]
+        assert run.blocks_leaked == 0
+        assert run.evictions_attention == run.evictions_mamba == 0  # nothing was pushed out
 
 
 def test_plugin_reaches_the_attention_bound_where_the_pool_holds_the_working_set():

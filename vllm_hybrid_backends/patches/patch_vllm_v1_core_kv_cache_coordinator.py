@@ -53,7 +53,11 @@ finished request's cached prefix from its end, all groups together.
   checkpoint strictly inside the chunk (:func:`vllm_hybrid_backends.align.interior_tail_checkpoints`)
   to vLLM's count (for a kind the ledger has not proven, only as many as the pool gives
   without evicting a cached block that is not an extra state, :func:`_affordable_interior`:
-  a state on trial never pushes out what upstream keeps) and remembers the columns;
+  a state on trial never pushes out what upstream keeps; a kind the ledger no longer admits
+  is kept on trial only while the pool still has :data:`ROOMY_UNCACHED_BLOCKS` uncached
+  blocks free after the allocation, :func:`_roomy_interior`, so where most prompts never
+  come back, as in the public Mooncake traces, the rare branch still finds its state while
+  the pool has room) and remembers the columns;
   ``allocate_new_blocks`` puts a fresh block where
   vLLM padded those columns with the null block. The worker finds them in its block table
   (:func:`vllm_hybrid_backends.interior.checkpoints`) and stores the states through
@@ -93,7 +97,7 @@ import importlib
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import align, handshake, interior, stats
 from ..compat import same_parameters, signature_problem, version_allows
@@ -767,28 +771,40 @@ def _interior_managers(coordinator: Any) -> list[tuple[int, Any]]:
     return known
 
 
+class InteriorColumns(NamedTuple):
+    """The block-table columns of a chunk's interior tail states, by the ledger's word on
+    their kind."""
+
+    #: admitted and proven (every column without adaptive retention)
+    proven: list[int]
+    #: admitted, not proven: warming up or explored
+    on_trial: list[int]
+    #: column -> kind, of kinds the ledger refuses
+    refused: dict[int, str]
+
+
 def _interior_columns(ledger: align.RetentionLedger, manager: Any, request: Any, start: int,
-                      end: int) -> tuple[list[int], list[int]]:
-    """The block-table columns of the chunk's interior tail states: (those of kinds the
-    ledger has proven, those of kinds admitted unproven: warming up or explored)."""
+                      end: int) -> InteriorColumns:
+    """The chunk ``[start, end)``'s interior tail-state columns for ``request`` in ``manager``'s
+    group (:class:`InteriorColumns`)."""
+    found = InteriorColumns([], [], {})
     policy = align.policy_for_model(align.active_policy(), internal_prefill_checkpoints=False,
                                     interior_states=True)
     if (not policy.interior_states or request.request_id in manager._partial_hit_reqs
             or start >= max(request.num_prompt_tokens, request.num_tokens - 1)):
-        return [], []
+        return found
     size = manager.block_size
-    if not policy.adaptive_retention:
-        return interior.planned_columns(align.interior_tail_checkpoints(
-            start, end, request.num_prompt_tokens, size, policy), size), []
-    request_id = request.request_id
-
-    def columns(proven: bool) -> list[int]:
-        return interior.planned_columns(align.interior_tail_checkpoints(
-            start, end, request.num_prompt_tokens, size, policy,
-            lambda kind: ledger.admits(kind, request_id) and ledger.proven(kind) is proven),
-            size)
-
-    return columns(True), columns(False)
+    for kind, position in sorted(align.interior_tail_checkpoints_by_kind(
+            start, end, request.num_prompt_tokens, size, policy).items(), key=lambda kp: kp[1]):
+        column = position // size - 1
+        if not policy.adaptive_retention or (ledger.admits(kind, request.request_id)
+                                             and ledger.proven(kind)):
+            found.proven.append(column)
+        elif ledger.admits(kind, request.request_id):
+            found.on_trial.append(column)
+        else:
+            found.refused[column] = kind
+    return found
 
 
 def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
@@ -817,20 +833,28 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
             and num_tokens_main_model - total_computed_tokens > managers[0][1].block_size):
         state = state_of(self)
         unproven: list[tuple[int, list[int]]] = []
+        refused: list[tuple[int, list[int]]] = []
         for group, manager in managers:
             if manager._has_partial_local_hit(new_computed_blocks[group],
                                               num_local_computed_tokens):
                 continue
-            columns, trial = _interior_columns(state.ledger, manager, request,
-                                               total_computed_tokens, num_tokens_main_model)
-            if columns:
-                count += len(columns)
-            planned.append((group, columns))
-            unproven.append((group, trial))
+            columns = _interior_columns(state.ledger, manager, request, total_computed_tokens,
+                                        num_tokens_main_model)
+            count += len(columns.proven)
+            planned.append((group, columns.proven))
+            unproven.append((group, columns.on_trial))
+            refused.append((group, list(columns.refused)))
+            allocation.trial.update(columns.refused)
         affordable = dict(_affordable_interior(state, self.block_pool, count, unproven))
-        if affordable:
-            count += sum(len(columns) for columns in affordable.values())
-            planned = [(group, sorted(columns + affordable.get(group, [])))
+        count += sum(len(columns) for columns in affordable.values())
+        # Refused kinds: only in a roomy pool, where every Mamba group stores them (a hit needs
+        # all), and not in vLLM's whole-sequence fit check (their blocks are optional).
+        roomy = {} if apply_admission_cap or len(managers) < len(_mamba_managers(self)) else \
+            dict(_roomy_interior(self.block_pool.free_block_queue, count, refused))
+        count += sum(len(columns) for columns in roomy.values())
+        if affordable or roomy:
+            planned = [(group, sorted(columns + affordable.get(group, [])
+                                      + roomy.get(group, [])))
                        for group, columns in planned]
         planned = [(group, columns) for group, columns in planned if columns]
         if planned:
@@ -838,6 +862,26 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
     if not apply_admission_cap:
         allocation.plan = planned or None
     return count
+
+
+def _roomy_interior(queue: Any, reserved: int,
+                    planned: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+    """The interior columns of refused kinds in ``planned`` (per Mamba group), all of them if,
+    after the ``reserved`` blocks allocated first, vLLM's free queue still has
+    :data:`ROOMY_UNCACHED_BLOCKS` uncached blocks at its head, else none. A kind the ledger
+    refuses is expected to go unused; a state of it is kept only where it takes no block
+    another request may soon need (under pressure even a state on probation costs hits: it
+    holds blocks through the step, and running requests wait or are preempted)."""
+    planned = [(group, columns) for group, columns in planned if columns]
+    if not planned:
+        return []
+    limit = reserved + sum(len(columns) for _, columns in planned) + ROOMY_UNCACHED_BLOCKS
+    block, uncached = queue.fake_free_list_head.next_free_block, 0
+    while (uncached < limit and block is not queue.fake_free_list_tail
+           and block.block_hash is None):
+        uncached += 1
+        block = block.next_free_block
+    return planned if uncached >= limit else []
 
 
 def _affordable_interior(state: CoordinatorState, block_pool: Any, reserved: int,
@@ -908,7 +952,9 @@ def allocate_new_blocks(self: Any, request_id: str, num_tokens: int, num_tokens_
     if plan is None:
         return _ORIGINALS["KVCacheCoordinator.allocate_new_blocks"](
             self, request_id, num_tokens, num_tokens_main_model, num_encoder_tokens)
-    allocation.plan = None  # type: ignore[union-attr]
+    assert allocation is not None  # a plan is only set on an allocation
+    allocation.plan = None
+    trial = allocation.trial
     planned = [(group, self.single_type_managers[group], columns,
                 len(self.single_type_managers[group].req_to_blocks[request_id]))
                for group, columns in plan]
@@ -916,8 +962,12 @@ def allocate_new_blocks(self: Any, request_id: str, num_tokens: int, num_tokens_
         self, request_id, num_tokens, num_tokens_main_model, num_encoder_tokens))
     for group, manager, columns, before in planned:
         blocks = manager.req_to_blocks[request_id]
-        if not interior.place_blocks(blocks, columns, before, manager.block_pool.get_new_blocks):
+        placed = interior.place_blocks(blocks, columns, before, manager.block_pool.get_new_blocks)
+        if not placed:
             continue
+        if trial:  # refused kinds with a block now: cache_blocks keeps their states
+            state_of(self).ledger.keep_on_trial((trial[c] for c in placed if c in trial),
+                                                request_id)
         # vLLM returns the blocks appended to the request (after a copy-on-write block, if any)
         appended = len(blocks) - before
         returned[group] = list(returned[group][:len(returned[group]) - appended]) + blocks[before:]
@@ -927,6 +977,10 @@ def allocate_new_blocks(self: Any, request_id: str, num_tokens: int, num_tokens_
 #: How far past the uncached free blocks to look for the oldest cached one; beyond it the pool
 #: has that many uncached blocks free, nothing is under pressure and LRU order is kept.
 PROBATION_SCAN = 64
+#: Uncached free blocks that must remain after an allocation for it to keep states of kinds
+#: the ledger refuses (:func:`_roomy_interior`): :data:`PROBATION_SCAN`'s "nothing is under
+#: pressure" mark, counted after the allocation instead of before.
+ROOMY_UNCACHED_BLOCKS = PROBATION_SCAN
 
 
 def _evict_first_among_cached(state: CoordinatorState, queue: Any, blocks: list[Any]) -> None:

@@ -41,13 +41,16 @@ class Allocation:
     """The request ``allocate_slots`` is allocating for, whether interior blocks were counted,
     and where the coordinator planned them for ``allocate_new_blocks``."""
 
-    __slots__ = ("request", "interior", "plan")
+    __slots__ = ("request", "interior", "plan", "trial")
 
     def __init__(self, request: Any) -> None:
         self.request = request
         self.interior = False
         #: [(KV-cache group index, block-table columns)] of the interior blocks to place, or None
         self.plan: list[tuple[int, list[int]]] | None = None
+        #: block-table column -> kind of the planned interior states the ledger refused, kept on
+        #: trial once their blocks are placed
+        self.trial: dict[int, str] = {}
 
 
 #: The allocation ``KVCacheManager.allocate_slots`` is running, or None.
