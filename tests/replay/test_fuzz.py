@@ -59,8 +59,11 @@ def streams(draw):
                                     "mamba")]))
     block = draw(st.sampled_from([4, 8, 16]))
     # Mamba groups with a smaller block size than attention. (A *larger* Mamba block is a
-    # known upstream bug: see test_harness.py::test_mamba_block_larger_than_attention_block.)
-    mamba_block = draw(st.sampled_from([None, None, None, block // 2 if block >= 8 else None]))
+    # known upstream bug: see test_harness.py::test_mamba_block_larger_than_attention_block;
+    # a smaller one beside Mamba2's checkpoint too, which the plugin does not fix in every
+    # case: test_harness.py::test_mamba2_checkpoint_with_a_smaller_mamba_block.)
+    mamba_block = draw(st.sampled_from([None, None, None, block // 2
+                                        if block >= 8 and kind == "GDN_ATTN" else None]))
     # Sub-block prefix hits (vLLM's prefix_match_unit), which add copy-on-write block copies.
     # Not with Mamba2 checkpoints: a chunk starting mid-block caches a state under the wrong
     # boundary (known upstream bug, see test_harness.py::
