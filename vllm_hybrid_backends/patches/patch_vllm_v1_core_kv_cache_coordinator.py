@@ -95,7 +95,7 @@ import contextlib
 import contextvars
 import importlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -797,10 +797,10 @@ def _interior_columns(ledger: align.RetentionLedger, manager: Any, request: Any,
     for kind, position in sorted(align.interior_tail_checkpoints_by_kind(
             start, end, request.num_prompt_tokens, size, policy).items(), key=lambda kp: kp[1]):
         column = position // size - 1
-        if not policy.adaptive_retention or (ledger.admits(kind, request.request_id)
-                                             and ledger.proven(kind)):
+        admitted = not policy.adaptive_retention or ledger.admits(kind, request.request_id)
+        if admitted and (not policy.adaptive_retention or ledger.proven(kind)):
             found.proven.append(column)
-        elif ledger.admits(kind, request.request_id):
+        elif admitted:
             found.on_trial.append(column)
         else:
             found.refused[column] = kind
@@ -876,11 +876,7 @@ def _roomy_interior(queue: Any, reserved: int,
     if not planned:
         return []
     limit = reserved + sum(len(columns) for _, columns in planned) + ROOMY_UNCACHED_BLOCKS
-    block, uncached = queue.fake_free_list_head.next_free_block, 0
-    while (uncached < limit and block is not queue.fake_free_list_tail
-           and block.block_hash is None):
-        uncached += 1
-        block = block.next_free_block
+    uncached = _free_at_head(queue, limit, lambda block: block.block_hash is None)
     return planned if uncached >= limit else []
 
 
@@ -909,17 +905,23 @@ def _spare_for_extras(state: CoordinatorState, queue: Any, limit: int) -> int:
     """How many free blocks can be taken, up to ``limit``, before vLLM's free queue would evict
     a cached block that is not an extra state: the uncached and probation blocks at its head,
     and the deferred probation blocks (moved in front when an eviction comes)."""
-    spare = 0
-    block = queue.fake_free_list_head.next_free_block
-    while spare < limit and block is not queue.fake_free_list_tail and (
-            block.block_hash is None or _on_probation(state, block)):
-        spare += 1
-        block = block.next_free_block
+    spare = _free_at_head(queue, limit,
+                          lambda block: block.block_hash is None or _on_probation(state, block))
     for block, block_hash in state.deferred.values():  # many only while uncached blocks abound
         if spare >= limit:
             break
         spare += _still_deferred(state, block, block_hash)
     return spare
+
+
+def _free_at_head(queue: Any, limit: int, counts: Callable[[Any], bool]) -> int:
+    """How many of the blocks at the head of vLLM's free queue, up to ``limit``, satisfy
+    ``counts`` before the first that does not."""
+    found, block = 0, queue.fake_free_list_head.next_free_block
+    while found < limit and block is not queue.fake_free_list_tail and counts(block):
+        found += 1
+        block = block.next_free_block
+    return found
 
 
 def _still_deferred(state: CoordinatorState, block: Any, block_hash: Any) -> bool:
