@@ -35,6 +35,11 @@ per-request paths then read no environment variable):
   at block boundaries inside a prefill chunk (:func:`vllm_hybrid_backends.interior.checkpoints`; vLLM-CPU's gated
   delta net and Mamba2 with this plugin), tail checkpoints get a cache block inside the chunk instead of a
   chunk split, so they cost no extra forward step. ``0`` always splits.
+- ``VLLM_HYBRID_SUBBLOCK_JUNCTIONS`` (default 1): with vLLM's ``prefix_match_unit`` below the
+  block size (0.32+), a prompt that shares a prefix with a recent one, ending inside a block,
+  gets a chunk end and a Mamba state there, and its attention block a key at that unit
+  (:mod:`vllm_hybrid_backends.junctions`), so every later prompt sharing the prefix hits it
+  (a system prompt shorter than a block, most of all). vLLM does this only for EAGLE drafts.
 - ``VLLM_HYBRID_MAMBA_GRID`` (default 1): when the scheduler's block size is smaller than the
   Mamba block size, floor non-final chunk ends to the Mamba grid, so a state is never cached
   under the wrong boundary (vLLM #54076).
@@ -57,6 +62,7 @@ SUFFIX_EVICTION_ENV = "VLLM_HYBRID_SUFFIX_EVICTION"
 ADAPTIVE_RETENTION_ENV = "VLLM_HYBRID_ADAPTIVE_RETENTION"
 INTERIOR_STATES_ENV = "VLLM_HYBRID_INTERIOR_STATES"
 DECODE_MAX_STEPS_ENV = "VLLM_HYBRID_DECODE_CHECKPOINT_MAX_STEPS"
+SUBBLOCK_JUNCTIONS_ENV = "VLLM_HYBRID_SUBBLOCK_JUNCTIONS"
 DEFAULT_TAIL_CHECKPOINTS = 4
 #: Kinds of extra state: ``tail-<blocks before the last prompt boundary>`` and decode.
 TAIL, DECODE = "tail", "decode"
@@ -83,6 +89,8 @@ class AlignPolicy:
     dense_tails: bool = False
     #: keep a decode state only within this many decode steps of the prompt's end (0: any)
     decode_max_steps: int = 0
+    #: a Mamba state where a prompt leaves a recent one inside a block (``prefix_match_unit``)
+    subblock_junctions: bool = True
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -131,6 +139,7 @@ def current_policy() -> AlignPolicy:
         suffix_eviction=_flag(SUFFIX_EVICTION_ENV, True),
         adaptive_retention=_flag(ADAPTIVE_RETENTION_ENV, True),
         interior_states=_flag(INTERIOR_STATES_ENV, True),
+        subblock_junctions=_flag(SUBBLOCK_JUNCTIONS_ENV, True),
     )
 
 

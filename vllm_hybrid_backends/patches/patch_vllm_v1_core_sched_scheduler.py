@@ -26,6 +26,17 @@
   step without one (``vllm/v1/engine/llm_engine.py:325`` in 0.26, ``len(outputs.outputs) > 0``;
   0.31+ record every step), so the states kept by a prefill chunk that samples nothing were
   lost there. Held back, they ride on the next step with an output. Not wrapped otherwise.
+- Sub-block junctions (vLLM 0.32+, with ``prefix_match_unit`` below the block size and
+  ``VLLM_HYBRID_SUBBLOCK_JUNCTIONS``): ``Scheduler._get_local_prefix_cache_hit`` is wrapped to
+  set ``request.shared_prefix_boundary`` to where the prompt leaves the recent prompts
+  (:func:`vllm_hybrid_backends.junctions.junction`, once per request) when that lies past the
+  hit; vLLM's own shared-prefix checkpoint (``enable_mamba_shared_prefix_checkpoint``, which
+  vLLM turns on only with EAGLE) is switched on for that scheduler, so its split ends the chunk
+  at the junction and its Mamba managers cache the state there. The attention groups register
+  a key at the junction on the block that holds it
+  (``FullAttentionManager._cache_partial_tail_block``, which vLLM's ``cache_blocks`` calls only
+  when the hash unit is below the block, wrapped to add it), so the next request that shares
+  the prefix hits it in both groups. Without ``prefix_match_unit`` nothing changes.
 - Upstream: vLLM #54076 (chunk ends off the Mamba grid, open); the agentic miss is §4(a) of
   ``vllm_map.md``; junction checkpoints #37898 only help the third request.
 - vLLM versions: 0.23.x, 0.26.x, 0.30.x-0.33.x (the method's signature is checked when it
@@ -39,12 +50,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .. import align, stats
+from .. import align, junctions, stats
 from ..compat import signature_problem
 from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
 
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
-TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split", "Scheduler.update_from_output")
+TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split", "Scheduler.update_from_output",
+                  "Scheduler._get_local_prefix_cache_hit",
+                  "vllm.v1.core.single_type_kv_cache_manager.FullAttentionManager"
+                  "._cache_partial_tail_block")
 PROCESS = "engine"
 VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
@@ -68,7 +82,14 @@ def missing() -> list[str]:
     problem = signature_problem(split, TARGET_SYMBOLS[0], (
         "self", "request", "num_new_tokens", "num_new_local_computed_tokens",
         "num_external_computed_tokens"))
-    return [problem] if problem else []
+    problems = [problem] if problem else []
+    for owner, name, _ in _junction_targets():
+        expected = ("self", "request") if owner is cls else ("self", "request", "num_tokens")
+        found = signature_problem(_ORIGINALS.get(name, vars(owner)[name]),
+                                  f"{owner.__name__}.{name}", expected)
+        if found:
+            problems.append(found)
+    return problems
 
 
 def _mamba_block_aligned_split(self: Any, request: Any, num_new_tokens: int,
@@ -122,6 +143,92 @@ def _stores_interior(scheduler: Any) -> bool:
     return known
 
 
+def _get_local_prefix_cache_hit(self: Any, request: Any) -> Any:
+    found = _ORIGINALS["_get_local_prefix_cache_hit"](self, request)
+    seen = _seen_prefixes(self)
+    if seen is None:
+        return found
+    known = request.__dict__.get("_hybrid_junction")
+    if known is None:  # once per request: a waiting request is looked up every step
+        known = request._hybrid_junction = junctions.junction(
+            seen, request.block_hashes, request.num_prompt_tokens, self.hash_block_size)
+    blocks, num_local, boundary, *rest = found
+    if known > num_local and known > boundary:
+        return (blocks, num_local, known, *rest)
+    return found
+
+
+def _seen_prefixes(scheduler: Any) -> junctions.SeenPrefixes | None:
+    """The scheduler's recent prompt prefixes, or None where sub-block junctions are off;
+    decided once per active policy."""
+    active = align.active_policy()
+    known = scheduler.__dict__.get("_hybrid_seen_prefixes")
+    if known is None or known[0] is not active:
+        known = scheduler._hybrid_seen_prefixes = (
+            active, _enable_junctions(scheduler) if active.subblock_junctions else None)
+    return known[1]
+
+
+def _enable_junctions(scheduler: Any) -> junctions.SeenPrefixes | None:
+    """Switch vLLM's shared-prefix checkpoint on where hits may end inside a Mamba block (align
+    mode, ``prefix_match_unit`` below the block) and no MTP tail is re-prefilled (vLLM's own
+    exclusion: its managers then cache a different count); None elsewhere."""
+    manager = scheduler.kv_cache_manager
+    coordinator = manager.coordinator
+    if not getattr(scheduler, "mamba_partial_cache_hit", False) or coordinator.__dict__.get(
+            "num_reprefillable_tokens", 0):
+        return None
+    mamba = coordinator_patch._mamba_managers(coordinator)
+    if not mamba or not all(hasattr(m, "shared_prefix_checkpoint") for m in mamba):
+        return None
+    for mamba_manager in mamba:
+        mamba_manager.shared_prefix_checkpoint = True
+    manager.mamba_shared_prefix_checkpoint = True
+    scheduler.mamba_shared_prefix_checkpoint = True
+    unit = scheduler.hash_block_size
+    pool_units = coordinator.block_pool.num_gpu_blocks * scheduler.block_size // unit
+    return junctions.SeenPrefixes(max(junctions.MIN_SEEN_PREFIXES, pool_units))
+
+
+def _cache_partial_tail_block(self: Any, request: Any, num_tokens: int) -> Any:
+    """vLLM's (the prompt's last unit boundary), then a key at the plugin's junction on the
+    attention block that holds it: the attention half of a sub-block junction hit. vLLM drops
+    a block's partial keys when the block fills (``BlockPool.cache_full_blocks`` promotes it),
+    so the key is added when the chunk ends at the junction and again once that block is full;
+    then the request is done with it."""
+    result = _ORIGINALS["_cache_partial_tail_block"](self, request, num_tokens)
+    junction = request.__dict__.get("_hybrid_junction")
+    if junction and num_tokens >= junction and junction % self.block_size \
+            and request.shared_prefix_boundary == junction:
+        index = junction // self.block_size
+        full = num_tokens >= (index + 1) * self.block_size
+        if full or num_tokens == junction:
+            blocks = self.req_to_blocks[request.request_id]
+            if index < len(blocks) and not blocks[index].is_null:
+                self.block_pool.cache_partial_block(
+                    request=request, block=blocks[index], num_tokens=junction,
+                    kv_cache_group_id=self.kv_cache_group_id, block_size=self.block_size)
+            if full:
+                request._hybrid_junction = 0  # keyed for good: the block no longer changes
+    return result
+
+
+def _full_attention_class() -> Any:
+    return importlib.import_module("vllm.v1.core.single_type_kv_cache_manager").FullAttentionManager
+
+
+def _junction_targets() -> list[tuple[Any, str, Any]]:
+    """(owner, method, wrapper) of the sub-block junction wiring where this vLLM has both
+    seams (0.32+); empty before."""
+    scheduler = _scheduler_class()
+    attention = _full_attention_class()
+    if not callable(getattr(scheduler, "_get_local_prefix_cache_hit", None)) or not callable(
+            getattr(attention, "_cache_partial_tail_block", None)):
+        return []
+    return [(scheduler, "_get_local_prefix_cache_hit", _get_local_prefix_cache_hit),
+            (attention, "_cache_partial_tail_block", _cache_partial_tail_block)]
+
+
 def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
     outputs = _ORIGINALS["update_from_output"](self, *args, **kwargs)
     for eco in outputs.values():
@@ -138,6 +245,10 @@ def apply() -> None:
     if stats.refresh() and cls.update_from_output is not update_from_output:
         _ORIGINALS["update_from_output"] = cls.update_from_output
         cls.update_from_output = update_from_output
+    for owner, name, wrapper in _junction_targets():
+        if vars(owner).get(name) is not wrapper:
+            _ORIGINALS[name] = vars(owner)[name]
+            setattr(owner, name, wrapper)
     current = cls._mamba_block_aligned_split
     if current is _mamba_block_aligned_split:
         return
@@ -146,6 +257,9 @@ def apply() -> None:
 
 
 def revert() -> None:
+    for owner, name, _ in _junction_targets():
+        if name in _ORIGINALS:
+            setattr(owner, name, _ORIGINALS.pop(name))
     if "update_from_output" in _ORIGINALS:
         _scheduler_class().update_from_output = _ORIGINALS.pop("update_from_output")
     if "_mamba_block_aligned_split" in _ORIGINALS:

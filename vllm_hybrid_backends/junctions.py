@@ -1,0 +1,80 @@
+"""Where a new prompt leaves every earlier one, below the block size.
+
+With vLLM's ``prefix_match_unit`` (0.32+) the prefix cache hashes a prompt every ``unit``
+tokens and a hit may end inside a block, but a hybrid model hits only where a Mamba state was
+kept: at block ends and at each prompt's last unit boundary. A system prompt shorter than a
+block, or any shared prefix ending inside one, is never hit. vLLM can keep a state at a
+*junction* (``enable_mamba_shared_prefix_checkpoint``), but only for EAGLE drafts and only
+where another group's hit already reaches it, which a junction inside the first block never
+does.
+
+:class:`SeenPrefixes` remembers the unit hashes of recent prompts, so the second request to
+share a prefix learns where it leaves the first one (``junction``); the scheduler then ends a
+chunk there and both groups cache it, and every later request that shares the prefix hits it.
+Pure Python over the chained hashes vLLM already computed; no vLLM import.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+#: The fewest prefixes kept, whatever the pool's size.
+MIN_SEEN_PREFIXES = 4096
+
+
+class SeenPrefixes:
+    """The unit prefixes of the most recent prompts, at most ``capacity`` of them.
+
+    A key is the chained hash of a prompt's first ``k`` units, so one key stands for a whole
+    prefix; :meth:`record` inserts a prompt's longest prefix first, so its shortest ones are
+    the newest and every prefix of a remembered one is remembered too (the search in
+    :meth:`longest` relies on it). Keys are Python's ``hash`` of vLLM's block hashes: a
+    collision can only suggest a junction, never a hit (vLLM looks the real hash up).
+    """
+
+    __slots__ = ("capacity", "_seen")
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"SeenPrefixes capacity={capacity!r}: allowed values are integers >= 1")
+        self.capacity = capacity
+        self._seen: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def longest(self, unit_hashes: Sequence[Any], limit: int) -> int:
+        """How many leading units of ``unit_hashes`` (at most ``limit``) an earlier prompt had."""
+        seen = self._seen
+        low, high = 0, min(limit, len(unit_hashes))
+        while low < high:
+            mid = (low + high + 1) // 2
+            if hash(unit_hashes[mid - 1]) in seen:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def record(self, unit_hashes: Sequence[Any], count: int) -> None:
+        """Remember the first ``count`` unit prefixes of a prompt, forgetting the oldest."""
+        seen = self._seen
+        for index in range(min(count, len(unit_hashes)) - 1, -1, -1):
+            key = hash(unit_hashes[index])
+            if key in seen:
+                seen.move_to_end(key)
+            else:
+                seen[key] = None
+        while len(seen) > self.capacity:
+            seen.popitem(last=False)
+
+
+def junction(seen: SeenPrefixes, unit_hashes: Sequence[Any], num_prompt_tokens: int,
+             unit: int) -> int:
+    """The token position where this prompt leaves every remembered one (0: none), then
+    remember its prefixes. A hit stops one token short of the prompt, so the junction does."""
+    limit = (num_prompt_tokens - 1) // unit
+    found = seen.longest(unit_hashes, limit)
+    seen.record(unit_hashes, limit)
+    return found * unit
