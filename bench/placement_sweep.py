@@ -4,6 +4,7 @@
     python bench/placement_sweep.py --workloads agentic --shapes qwen3.5-0.8b --capacities 65536
     python bench/placement_sweep.py --json --check       # exit 1 if a row breaks the rules
     python bench/placement_sweep.py --capacities 65536 --seeds 0,1,2,3   # each row per seed
+    python bench/placement_sweep.py --prefix-match-unit 16   # sub-block hits, both policies
 
 Each row replays one workload on one model shape at one KV capacity (tokens) through vLLM's
 real scheduler, upstream and plugin (report.compare_policies, the same runs as `replay`).
@@ -12,6 +13,10 @@ leaked block occurs. Rows print to stderr as they finish; ``--json`` prints all 
 ``--seeds`` replays each row on workloads drawn with each seed (the generators' ``seed``) and
 ends with one line per row: on how many seeds the plugin was below upstream, and the mean and
 range of plugin - upstream, so a loss can be told from one draw's luck.
+``--prefix-match-unit N`` runs both policies and the bound with vLLM's ``prefix_match_unit``
+(hits at N-token boundaries; N must divide every shape's blocks: 16 divides 544 and 1040),
+and upstream once more at the block (``upstream_block``): ``upstream`` then stands for
+upstream at its better unit of the two, the one the plugin is checked against.
 """
 
 from __future__ import annotations
@@ -28,25 +33,35 @@ DEFAULT_SHAPES = ("qwen3.5-0.8b", "qwen3-next-80b-a3b", "nemotron-h-8b")
 DEFAULT_CAPACITIES = (65_536, 131_072, 262_144, 2_000_000)
 
 
-def sweep_row(workload: str, shape: str, cache_tokens: int, seed: int = 0) -> dict[str, Any]:
+def sweep_row(workload: str, shape: str, cache_tokens: int, seed: int = 0,
+              prefix_match_unit: int | None = None) -> dict[str, Any]:
     from vllm_hybrid_backends.replay.harness import ReplayConfig
     from vllm_hybrid_backends.replay.report import compare_policies
     from vllm_hybrid_backends.replay.workloads import make_workload
 
-    config = ReplayConfig(model_shape=shape, cache_tokens=cache_tokens)
+    config = ReplayConfig(model_shape=shape, cache_tokens=cache_tokens,
+                          prefix_match_unit=prefix_match_unit)
     trace = make_workload(workload, block_size=config.layout().block_size, seed=seed)
     started = time.perf_counter()
     report = compare_policies(trace, config, ["upstream", "plugin"])
     up, plug = report.policies["upstream"], report.policies["plugin"]
+    upstream = round(up.token_hit_rate, 4)
+    at_unit: dict[str, Any] = {}
+    if prefix_match_unit is not None:
+        block = compare_policies(trace, ReplayConfig(model_shape=shape, cache_tokens=cache_tokens),
+                                 ["upstream"]).policies["upstream"]
+        at_unit = {"prefix_match_unit": prefix_match_unit, "upstream_at_unit": upstream,
+                   "upstream_block": round(block.token_hit_rate, 4)}
+        upstream = max(upstream, at_unit["upstream_block"])
     return {
         "workload": workload, "model_shape": shape, "cache_tokens": cache_tokens, "seed": seed,
-        "block_size": report.block_size, "num_blocks": report.num_blocks,
-        "upstream": round(up.token_hit_rate, 4), "plugin": round(plug.token_hit_rate, 4),
+        "block_size": report.block_size, "num_blocks": report.num_blocks, **at_unit,
+        "upstream": upstream, "plugin": round(plug.token_hit_rate, 4),
         "bound": round(plug.bound_hit_rate, 4), "ideal": round(plug.ideal_hit_rate, 4),
         "plugin_over_bound": round(plug.token_hit_rate / plug.bound_hit_rate, 4)
         if plug.bound_hit_rate else None,
-        "upstream_over_bound": round(up.token_hit_rate / up.bound_hit_rate, 4)
-        if up.bound_hit_rate else None,
+        "upstream_over_bound": round(upstream / plug.bound_hit_rate, 4)
+        if plug.bound_hit_rate else None,
         "preemptions": {"upstream": up.preemptions, "plugin": plug.preemptions},
         "evictions_mamba": {"upstream": up.evictions_mamba, "plugin": plug.evictions_mamba},
         "state_mismatches": up.state_mismatches + plug.state_mismatches,
@@ -112,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
                         default=list(DEFAULT_CAPACITIES), help="comma-separated token counts")
     parser.add_argument("--seeds", type=_int_list(0, "seeds are integers >= 0"), default=[0],
                         help="comma-separated workload seeds; each row runs once per seed")
+    parser.add_argument("--prefix-match-unit", type=_int_list(1, "a unit is a positive integer"),
+                        default=None, metavar="N",
+                        help="vLLM's prefix_match_unit for both policies (upstream also at the "
+                             "block; the better of the two is its row)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if plugin < upstream, a state mismatch or a leak occurs")
@@ -122,13 +141,18 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [n for n in name if n not in known]
         if unknown:
             parser.error(f"unknown {what} {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+    unit = None
+    if args.prefix_match_unit is not None:
+        if len(args.prefix_match_unit) != 1:
+            parser.error(f"--prefix-match-unit takes one unit, got {args.prefix_match_unit}")
+        unit = args.prefix_match_unit[0]
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     rows, failed = [], []
     for workload in workloads:
         for shape in shapes:
             for capacity in args.capacities:
                 for seed in args.seeds:
-                    row = sweep_row(workload, shape, capacity, seed)
+                    row = sweep_row(workload, shape, capacity, seed, unit)
                     rows.append(row)
                     problems = row_problems(row)
                     if problems:

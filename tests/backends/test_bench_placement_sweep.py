@@ -37,3 +37,10 @@ def test_the_seed_summary_counts_the_seeds_below_upstream_per_row():
     assert (agentic["min_delta"], agentic["max_delta"]) == (-0.05, 0.1)
     assert agentic["mean_delta"] == 0.0167
     assert (chat["workload"], chat["seeds"], chat["below_upstream"]) == ("chat", 1, 0)
+
+
+def test_one_prefix_match_unit_is_taken():
+    proc = subprocess.run([sys.executable, str(BENCH), "--prefix-match-unit", "16,32"],
+                          capture_output=True, text=True, check=False, timeout=120)
+    assert proc.returncode == 2
+    assert "--prefix-match-unit takes one unit, got [16, 32]" in proc.stderr, proc.stderr

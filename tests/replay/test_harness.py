@@ -13,6 +13,7 @@ import pytest
 
 from vllm_hybrid_backends import hookimpl, plugins, reference
 from vllm_hybrid_backends.compat import has_mamba2_prefill_checkpoint, version_allows
+from vllm_hybrid_backends.replay.engine_config import vllm_has_prefix_match_unit
 from vllm_hybrid_backends.replay.harness import ReplayConfig, ReplayError, run_replay
 from vllm_hybrid_backends.replay.metrics import ideal_hits, policy_metrics
 from vllm_hybrid_backends.replay.policy import get_policy
@@ -646,3 +647,38 @@ def test_mamba2_sub_block_hit_without_decode_states(monkeypatch):
 
     monkeypatch.setenv(align.DECODE_CHECKPOINTS_ENV, "0")
     test_mamba2_checkpoint_chunk_starting_mid_block(*_SUB_BLOCK, "plugin")
+
+
+def _shared_system_prompt_trace(prefix_len: int = 12) -> Trace:
+    """Three prompts that share only a ``prefix_len``-token system prompt, shorter than a
+    block, each arriving after the previous one finished."""
+    system = list(range(500, 500 + prefix_len))
+    requests = []
+    for i in range(3):
+        own = [1000 * (i + 1) + t for t in range(40)]
+        requests.append(TraceRequest(f"r{i}", system + own, [7] * 2, arrival_s=0.1,
+                                     after=f"r{i - 1}" if i else None))
+    return Trace("system-prompt", requests)
+
+
+@pytest.mark.skipif(not vllm_has_prefix_match_unit(), reason=(
+    "sub-block hits need vLLM's prefix_match_unit (0.32+)"))
+@pytest.mark.parametrize("shape", [tiny_shape(), tiny_shape(("mamba", "attention"),
+                                                            kind="MAMBA2")],
+                         ids=["gdn", "mamba2"])
+def test_a_system_prompt_inside_a_block_is_hit_from_the_third_request(monkeypatch, shape):
+    from vllm_hybrid_backends import align
+
+    config = _tiny(shape=shape, block_size=16, prefix_match_unit=4, max_num_batched_tokens=64)
+    trace = _shared_system_prompt_trace()
+    runs = {policy: run_replay(trace, config, get_policy(policy))
+            for policy in ("upstream", "plugin")}
+    monkeypatch.setenv(align.SUBBLOCK_JUNCTIONS_ENV, "0")
+    runs["plugin, junctions off"] = run_replay(trace, config, get_policy("plugin"))
+    hits = {name: [run.requests[f"r{i}"].hit_tokens for i in range(3)]
+            for name, run in runs.items()}
+    # r1 learns where it leaves r0 (12 tokens) and keeps both groups' state there; r2 hits it
+    assert hits == {"upstream": [0, 0, 0], "plugin": [0, 0, 12],
+                    "plugin, junctions off": [0, 0, 0]}
+    for run in runs.values():
+        assert run.mismatches == [] and run.blocks_leaked == 0

@@ -1,0 +1,54 @@
+"""SeenPrefixes: where a prompt leaves the recent ones, in hash units."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vllm_hybrid_backends.junctions import SeenPrefixes, junction
+
+
+def _chain(tokens: list[int], unit: int) -> list[bytes]:
+    """Chained unit hashes like vLLM's: the k-th names the whole prefix of k units."""
+    return [repr(tuple(tokens[:(k + 1) * unit])).encode() for k in range(len(tokens) // unit)]
+
+
+def test_a_prompt_learns_where_it_leaves_an_earlier_one():
+    seen = SeenPrefixes(64)
+    first = list(range(40))
+    second = first[:12] + [900 + i for i in range(28)]
+    assert junction(seen, _chain(first, 4), len(first), 4) == 0  # nothing seen yet
+    assert junction(seen, _chain(second, 4), len(second), 4) == 12
+    third = first[:12] + [700] * 8 + list(range(50, 70))
+    assert junction(seen, _chain(third, 4), len(third), 4) == 12
+
+
+def test_the_junction_stops_a_unit_short_of_the_prompt_when_it_repeats_whole():
+    seen = SeenPrefixes(64)
+    prompt = list(range(33))
+    junction(seen, _chain(prompt, 4), len(prompt), 4)
+    # a resend may hit at most 32 tokens; 32 is a whole unit short of 33 + 1
+    assert junction(seen, _chain(prompt, 4), len(prompt), 4) == 32
+    shorter = list(range(32))
+    assert junction(seen, _chain(shorter, 4), len(shorter), 4) == 28
+
+
+def test_forgetting_keeps_every_prefix_of_a_remembered_one():
+    rng = random.Random(0)
+    seen = SeenPrefixes(50)
+    prompts = [[rng.randrange(4) for _ in range(rng.randrange(8, 80))] for _ in range(200)]
+    for prompt in prompts:
+        seen.record(_chain(prompt, 2), len(prompt) // 2)
+        assert len(seen) <= 50
+    for prompt in prompts[-5:]:
+        chain = _chain(prompt, 2)
+        remembered = [hash(h) in seen._seen for h in chain]
+        # the binary search in longest() is right only if remembered prefixes are closed
+        assert remembered == sorted(remembered, reverse=True)
+        assert seen.longest(chain, len(chain)) == sum(remembered)
+
+
+def test_a_bad_capacity_is_named():
+    with pytest.raises(ValueError, match=r"capacity=0: allowed values are integers >= 1"):
+        SeenPrefixes(0)
