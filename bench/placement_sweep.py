@@ -15,8 +15,8 @@ ends with one line per row: on how many seeds the plugin was below upstream, and
 range of plugin - upstream, so a loss can be told from one draw's luck.
 ``--prefix-match-unit N`` runs both policies and the bound with vLLM's ``prefix_match_unit``
 (hits at N-token boundaries; N must divide every shape's blocks: 16 divides 544 and 1040),
-and upstream once more at the block (``upstream_block``): ``upstream`` then stands for
-upstream at its better unit of the two, the one the plugin is checked against.
+and both policies once more at the block (``*_block``, ``*_at_unit``): ``upstream`` and
+``plugin`` are then each policy at its better unit of the two; the bound and ideal are at N.
 """
 
 from __future__ import annotations
@@ -45,27 +45,32 @@ def sweep_row(workload: str, shape: str, cache_tokens: int, seed: int = 0,
     started = time.perf_counter()
     report = compare_policies(trace, config, ["upstream", "plugin"])
     up, plug = report.policies["upstream"], report.policies["plugin"]
-    upstream = round(up.token_hit_rate, 4)
+    upstream, plugin = round(up.token_hit_rate, 4), round(plug.token_hit_rate, 4)
     at_unit: dict[str, Any] = {}
+    runs = [up, plug]
     if prefix_match_unit is not None:
         block = compare_policies(trace, ReplayConfig(model_shape=shape, cache_tokens=cache_tokens),
-                                 ["upstream"]).policies["upstream"]
+                                 ["upstream", "plugin"]).policies
         at_unit = {"prefix_match_unit": prefix_match_unit, "upstream_at_unit": upstream,
-                   "upstream_block": round(block.token_hit_rate, 4)}
+                   "plugin_at_unit": plugin,
+                   "upstream_block": round(block["upstream"].token_hit_rate, 4),
+                   "plugin_block": round(block["plugin"].token_hit_rate, 4)}
         upstream = max(upstream, at_unit["upstream_block"])
+        plugin = max(plugin, at_unit["plugin_block"])
+        runs += block.values()
     return {
         "workload": workload, "model_shape": shape, "cache_tokens": cache_tokens, "seed": seed,
         "block_size": report.block_size, "num_blocks": report.num_blocks, **at_unit,
-        "upstream": upstream, "plugin": round(plug.token_hit_rate, 4),
+        "upstream": upstream, "plugin": plugin,
         "bound": round(plug.bound_hit_rate, 4), "ideal": round(plug.ideal_hit_rate, 4),
-        "plugin_over_bound": round(plug.token_hit_rate / plug.bound_hit_rate, 4)
+        "plugin_over_bound": round(plugin / plug.bound_hit_rate, 4)
         if plug.bound_hit_rate else None,
         "upstream_over_bound": round(upstream / plug.bound_hit_rate, 4)
         if plug.bound_hit_rate else None,
         "preemptions": {"upstream": up.preemptions, "plugin": plug.preemptions},
         "evictions_mamba": {"upstream": up.evictions_mamba, "plugin": plug.evictions_mamba},
-        "state_mismatches": up.state_mismatches + plug.state_mismatches,
-        "blocks_leaked": up.blocks_leaked + plug.blocks_leaked,
+        "state_mismatches": sum(run.state_mismatches for run in runs),
+        "blocks_leaked": sum(run.blocks_leaked for run in runs),
         "wall_s": round(time.perf_counter() - started, 1),
     }
 
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated workload seeds; each row runs once per seed")
     parser.add_argument("--prefix-match-unit", type=_int_list(1, "a unit is a positive integer"),
                         default=None, metavar="N",
-                        help="vLLM's prefix_match_unit for both policies (upstream also at the "
+                        help="vLLM's prefix_match_unit for both policies (each also at the "
                              "block; the better of the two is its row)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     parser.add_argument("--check", action="store_true",

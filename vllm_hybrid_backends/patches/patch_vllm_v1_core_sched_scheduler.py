@@ -63,6 +63,8 @@ PROCESS = "engine"
 VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
+#: Free blocks a junction state must leave (:func:`_roomy_for_junction`).
+JUNCTION_SPARE_BLOCKS = 64
 
 
 def _scheduler_class() -> Any:
@@ -150,12 +152,24 @@ def _get_local_prefix_cache_hit(self: Any, request: Any) -> Any:
         return found
     known = request.__dict__.get("_hybrid_junction")
     if known is None:  # once per request: a waiting request is looked up every step
-        known = request._hybrid_junction = junctions.junction(
-            seen, request.block_hashes, request.num_prompt_tokens, self.hash_block_size)
+        known = junctions.junction(seen, request.block_hashes, request.num_prompt_tokens,
+                                   self.hash_block_size)
+        if known and not _roomy_for_junction(self, request):
+            known = 0
+        request._hybrid_junction = known
     blocks, num_local, boundary, *rest = found
     if known > num_local and known > boundary:
         return (blocks, num_local, known, *rest)
     return found
+
+
+def _roomy_for_junction(scheduler: Any, request: Any) -> bool:
+    """Whether the pool has room for a junction state: once the request's prompt has its
+    blocks, :data:`JUNCTION_SPARE_BLOCKS` free ones (cached or not) remain. Under pressure the
+    state and the two extra chunks cost running requests their blocks (preemptions)."""
+    pool = scheduler.kv_cache_manager.block_pool
+    needed = -(-request.num_prompt_tokens // scheduler.block_size) + JUNCTION_SPARE_BLOCKS
+    return pool.get_num_free_blocks() >= needed
 
 
 def _seen_prefixes(scheduler: Any) -> junctions.SeenPrefixes | None:
