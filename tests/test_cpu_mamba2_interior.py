@@ -109,6 +109,19 @@ def test_plan_reads_the_blocks_each_prefill_crosses_and_leaves_vllms_checkpoint_
     assert torch.equal(again.batch.token_end, plan.batch.token_end)
 
 
+def test_vllms_checkpoint_at_a_unit_boundary_keeps_its_column():
+    """With a ``prefix_match_unit`` below the block, vLLM's checkpoint is the prompt's last unit
+    boundary (104 with unit 8), written to the column of the block boundary below it (96):
+    the plan must leave that column to vLLM, or two states go to one block."""
+    step = _step(random.Random(0))
+    step.vllm_offsets = [104, 0, 0]
+    plan = _plan(step)
+    assert plan is not None
+    assert plan.request_rows.tolist() == [1, 2, 2, 2]
+    assert plan.block_cols.tolist() == [0, 2, 3, 4]
+    assert len(set(plan.batch.dst_block.tolist())) == 4
+
+
 def test_a_device_table_is_planned_without_a_host_read():
     """On a GPU the block table is a device tensor: every candidate boundary is planned, its
     destination gathered where the table lives, -1 where the manager left the null block."""

@@ -682,3 +682,20 @@ def test_a_system_prompt_inside_a_block_is_hit_from_the_third_request(monkeypatc
                     "plugin, junctions off": [0, 0, 0]}
     for run in runs.values():
         assert run.mismatches == [] and run.blocks_leaked == 0
+
+
+@pytest.mark.skipif(not vllm_has_prefix_match_unit(), reason=(
+    "sub-block hits need vLLM's prefix_match_unit (0.32+)"))
+def test_no_junction_state_where_the_pool_has_no_room(monkeypatch):
+    from vllm_hybrid_backends.patches import patch_vllm_v1_core_sched_scheduler as scheduler_patch
+
+    # 1,024 tokens of 16-token blocks: fewer free blocks than a prompt's 4 + 64 spare
+    config = _tiny(block_size=16, prefix_match_unit=4, max_num_batched_tokens=64,
+                   cache_tokens=1024)
+    trace = _shared_system_prompt_trace()
+    tight = run_replay(trace, config, get_policy("plugin"))
+    monkeypatch.setattr(scheduler_patch, "JUNCTION_SPARE_BLOCKS", 0)
+    spare_ignored = run_replay(trace, config, get_policy("plugin"))
+    assert [tight.requests[f"r{i}"].hit_tokens for i in range(3)] == [0, 0, 0]
+    assert [spare_ignored.requests[f"r{i}"].hit_tokens for i in range(3)] == [0, 0, 12]
+    assert tight.mismatches == [] and spare_ignored.mismatches == []
