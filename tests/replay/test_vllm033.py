@@ -47,3 +47,39 @@ def test_replay_runs_on_the_vllm_033_scheduler():
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["version"].startswith("0.33")
     assert result["mismatches"] == 0 and result["checks"] > 0 and result["leaked"] == 0
+
+
+JUNCTION_SCRIPT = """
+import json, vllm
+from vllm_hybrid_backends.replay.harness import ReplayConfig, run_replay
+from vllm_hybrid_backends.replay.policy import get_policy
+from vllm_hybrid_backends.replay.shapes import tiny_shape
+from vllm_hybrid_backends.replay.workloads import Trace, TraceRequest
+system = list(range(500, 512))
+trace = Trace("system-prompt", [
+    TraceRequest(f"r{i}", system + [1000 * (i + 1) + t for t in range(40)], [7] * 2,
+                 arrival_s=0.1, after=f"r{i - 1}" if i else None) for i in range(3)])
+config = ReplayConfig(shape=tiny_shape(), platform="any", block_size=16, cache_tokens=4096,
+                      max_num_batched_tokens=64, max_num_seqs=4, prefix_match_unit=4)
+out = {"version": vllm.__version__}
+for name in ("upstream", "plugin"):
+    run = run_replay(trace, config, get_policy(name))
+    out[name] = [run.requests[f"r{i}"].hit_tokens for i in range(3)]
+    out[name + "_mismatches"] = len(run.mismatches)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (TREE / "vllm").is_dir(), reason=f"no vLLM source tree at {TREE}")
+def test_sub_block_junctions_on_the_vllm_033_scheduler():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(TREE), os.environ.get("PYTHONPATH")) if p), VLLM_TARGET_DEVICE="cpu",
+        VLLM_LOGGING_LEVEL="ERROR")
+    run = subprocess.run([sys.executable, "-c", JUNCTION_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["version"].startswith("0.33")
+    assert (result["upstream"], result["plugin"]) == ([0, 0, 0], [0, 0, 12])
+    assert result["upstream_mismatches"] == result["plugin_mismatches"] == 0

@@ -26,7 +26,7 @@
   step without one (``vllm/v1/engine/llm_engine.py:325`` in 0.26, ``len(outputs.outputs) > 0``;
   0.31+ record every step), so the states kept by a prefill chunk that samples nothing were
   lost there. Held back, they ride on the next step with an output. Not wrapped otherwise.
-- Sub-block junctions (vLLM 0.32+, with ``prefix_match_unit`` below the block size and
+- Sub-block junctions (vLLM 0.32, 0.33, with ``prefix_match_unit`` below the block size and
   ``VLLM_HYBRID_SUBBLOCK_JUNCTIONS``): ``Scheduler._get_local_prefix_cache_hit`` is wrapped to
   set ``request.shared_prefix_boundary`` to where the prompt leaves the recent prompts
   (:func:`vllm_hybrid_backends.junctions.junction`, once per request) when that lies past the
@@ -86,9 +86,10 @@ def missing() -> list[str]:
         "num_external_computed_tokens"))
     problems = [problem] if problem else []
     for owner, name, _ in _junction_targets():
-        expected = ("self", "request") if owner is cls else ("self", "request", "num_tokens")
+        lookup = owner is cls  # the lookup's wrapper passes the rest through
+        expected = ("self", "request") if lookup else ("self", "request", "num_tokens")
         found = signature_problem(_ORIGINALS.get(name, vars(owner)[name]),
-                                  f"{owner.__name__}.{name}", expected)
+                                  f"{owner.__name__}.{name}", expected, closed=not lookup)
         if found:
             problems.append(found)
     return problems
@@ -145,8 +146,9 @@ def _stores_interior(scheduler: Any) -> bool:
     return known
 
 
-def _get_local_prefix_cache_hit(self: Any, request: Any) -> Any:
-    found = _ORIGINALS["_get_local_prefix_cache_hit"](self, request)
+def _get_local_prefix_cache_hit(self: Any, request: Any, *args: Any) -> Any:
+    """vLLM's lookup (0.33 adds ``max_cache_hit_length``, passed through), then the junction."""
+    found = _ORIGINALS["_get_local_prefix_cache_hit"](self, request, *args)
     seen = _seen_prefixes(self)
     if seen is None:
         return found
