@@ -58,19 +58,17 @@ def streams(draw):
                                    ("mamba", "attention", "mamba", "mamba", "attention",
                                     "mamba")]))
     block = draw(st.sampled_from([4, 8, 16]))
+    policy = draw(st.sampled_from(["plugin", "plugin", "upstream"]))
     # Mamba groups with a smaller block size than attention. (A *larger* Mamba block is a
-    # known upstream bug: see test_harness.py::test_mamba_block_larger_than_attention_block;
-    # a smaller one beside Mamba2's checkpoint too, which the plugin does not fix in every
-    # case: test_harness.py::test_mamba2_checkpoint_with_a_smaller_mamba_block.)
-    mamba_block = draw(st.sampled_from([None, None, None, block // 2
-                                        if block >= 8 and kind == "GDN_ATTN" else None]))
+    # known upstream bug: see test_harness.py::test_mamba_block_larger_than_attention_block.)
+    mamba_block = draw(st.sampled_from([None, None, None, block // 2 if block >= 8 else None]))
     # Sub-block prefix hits (vLLM's prefix_match_unit), which add copy-on-write block copies.
-    # Not with Mamba2 checkpoints: a chunk starting mid-block caches a state under the wrong
-    # boundary (known upstream bug, see test_harness.py::
+    # With Mamba2 checkpoints only under the plugin: a chunk starting mid-block caches a state
+    # under the wrong boundary (known upstream bug the plugin fixes, see test_harness.py::
     # test_mamba2_checkpoint_chunk_starting_mid_block).
     # (vLLM 0.30/0.31 have no prefix_match_unit.)
     unit = draw(st.sampled_from([None, None, 4])) if (
-        block >= 8 and mamba_block is None and kind == "GDN_ATTN"
+        block >= 8 and mamba_block is None and (kind == "GDN_ATTN" or policy == "plugin")
         and vllm_has_prefix_match_unit()) else None
     # Mamba2 checkpoints with speculative decoding: known upstream bug, see
     # test_harness.py::test_mamba2_checkpoint_with_spec_decode_hits_relocated_block.
@@ -123,7 +121,6 @@ def streams(draw):
             # crash, see test_harness.py::test_external_tokens_in_a_full_pool).
             config = replace(config, cache_tokens=4 * need_blocks * block)
 
-    policy = draw(st.sampled_from(["plugin", "plugin", "upstream"]))
     return Stream(Trace("fuzz", requests), config, accept, loads, policy)
 
 

@@ -335,13 +335,11 @@ def test_mamba_block_larger_than_attention_block(policy):
     assert [m.describe() for m in result.mismatches] == []
 
 
-@upstream_bug(AssertionError, (
-    "vLLM 0.32, Mamba2 prefill checkpoint with a Mamba block (8) smaller than the attention "
-    "block (16): the Mamba block cached for the 48-token boundary holds the state after 56 "
-    "tokens, so r2 resumes from the wrong state (found by `make fuzz` on 2026-11-26; root "
-    "cause not isolated)"), plugin_gap=(
-    "not fixed by the plugin: alone (r1 then r2) the plugin's run is exact, with r4, which "
-    "shares r1's first 15 tokens, scheduled between them it is not; not isolated yet"))
+# Was pinned as an upstream bug ("the Mamba block cached for the 48-token boundary holds the
+# state after 56 tokens"): vLLM writes its checkpoint (48) to column cdiv(57, 8) - 2 = 6, the
+# column of the 56 boundary, and the fake model's interior store overwrote it with the state
+# after 56; vLLM alone stores no interior states, the plugin's plan leaves that column to vLLM.
+@pytest.mark.parametrize("policy", ["upstream", "plugin"])
 @needs_mamba2_checkpoint
 def test_mamba2_checkpoint_with_a_smaller_mamba_block(policy):
     first = list(range(100, 157))
@@ -352,6 +350,25 @@ def test_mamba2_checkpoint_with_a_smaller_mamba_block(policy):
                    mamba_block_size=8, cache_tokens=288, max_num_batched_tokens=64,
                    max_num_seqs=1)
     result = run_replay(trace, config, get_policy(policy))
+    assert [m.describe() for m in result.mismatches] == []
+
+
+@pytest.mark.skipif(not vllm_has_prefix_match_unit(), reason=(
+    "sub-block hits need vLLM's prefix_match_unit (0.32+)"))
+@needs_mamba2_checkpoint
+@pytest.mark.parametrize("policy", ["upstream", "plugin"])
+def test_mamba2_checkpoint_at_a_unit_boundary_keeps_its_column(policy):
+    # r1's one chunk [0, 23): vLLM's checkpoint is the last unit boundary, 20, written to column
+    # cdiv(23, 8) - 2 = 1 and keyed at 20; no interior state (16) may go to that block, or r2,
+    # which hits 20 tokens, resumes from the state after 16 (branching nemotron-h-8b unit 16).
+    first = list(range(100, 123))
+    trace = Trace("ckpt-unit", [TraceRequest("r1", first, [7]),
+                                TraceRequest("r2", first + [9] * 10, [7], after="r1")])
+    config = _tiny(shape=tiny_shape(("mamba", "attention"), kind="MAMBA2"), block_size=8,
+                   prefix_match_unit=4, cache_tokens=256, max_num_batched_tokens=64,
+                   max_num_seqs=1)
+    result = run_replay(trace, config, get_policy(policy))
+    assert result.requests["r2"].hit_tokens == 20
     assert [m.describe() for m in result.mismatches] == []
 
 
@@ -577,7 +594,7 @@ def test_mamba2_tail_states_inside_the_chunk_beside_vllms_checkpoint(monkeypatch
 def test_interior_blocks_the_model_does_not_fill_are_reported_as_mismatches(monkeypatch):
     from vllm_hybrid_backends.replay.oracle import FakeHybridWorker
 
-    monkeypatch.setattr(FakeHybridWorker, "_store_interior", lambda self, *args: None)
+    monkeypatch.setattr(FakeHybridWorker, "_store_interior", lambda self, *args, **kwargs: None)
     result = run_replay(_edited_resend_trace(), _tiny(max_num_batched_tokens=128),
                         get_policy("plugin"))
     assert result.requests["b"].hit_tokens == 64

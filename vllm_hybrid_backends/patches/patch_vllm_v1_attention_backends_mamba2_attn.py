@@ -105,7 +105,7 @@ def plan_interior_states(block_table: Any, query_start_loc: Any, seq_lens: Any, 
     ``query_start_loc`` and ``seq_lens`` are host tensors. ``prune_on_host`` (default: the
     table is on the CPU) drops the skipped candidates, and returns None when none is left.
     ``vllm_offsets`` are vLLM's own checkpoint offsets per prefill row (0: none): the column
-    vLLM stores its checkpoint in is skipped here (:func:`_same_column`);
+    vLLM stores its checkpoint in is skipped here (:func:`vllm_checkpoint_column`);
     ``compute_chunk_metadata`` is vLLM's ``_compute_chunk_metadata`` (the chunk table the scan
     runs over, so each boundary's chunk index is the one vLLM's scan returns its state at).
     """
@@ -114,8 +114,8 @@ def plan_interior_states(block_table: Any, query_start_loc: Any, seq_lens: Any, 
             query_start_loc, seq_lens, range(first_row, first_row + num_prefills), block_size,
             block_table.shape[1]):
         p = r - first_row
-        if vllm_offsets and vllm_offsets[p] and _same_column(c, offset, vllm_offsets[p],
-                                                              block_size):
+        if vllm_offsets and vllm_offsets[p] and c == vllm_checkpoint_column(int(seq_lens[r]),
+                                                                            block_size):
             continue
         rows.append(r)
         cols.append(c)
@@ -156,14 +156,16 @@ def plan_interior_states(block_table: Any, query_start_loc: Any, seq_lens: Any, 
     return interior.device_plan(block_table, rows, cols, token_end, seq_start, chunks, blocks)
 
 
-def _same_column(column: int, offset: int, vllm_offset: int, block_size: int) -> bool:
-    """Whether vLLM's checkpoint at ``vllm_offset`` into the chunk goes to ``column``, the
-    column of the boundary at ``offset``. vLLM writes it to the column of the last block
-    boundary at or below it: the boundary itself on the block grid, but with a
-    ``prefix_match_unit`` below the block a unit boundary up to a block past it, in the same
-    column (``MambaManager.get_num_blocks_to_allocate``'s ``checkpoint_idx``)."""
-    start = (column + 1) * block_size - offset
-    return (start + vllm_offset) // block_size - 1 == column
+def vllm_checkpoint_column(seq_len: int, block_size: int) -> int:
+    """The block-table column vLLM stores a row's prefill checkpoint in: ``cdiv(seq_len,
+    block_size) - 2`` (``compute_mamba_prefill_checkpoints`` in
+    ``model_executor/layers/mamba/checkpoint.py``, ``checkpoint_idx`` in
+    ``MambaManager.get_num_blocks_to_allocate``), whatever the checkpoint's position: with a
+    ``prefix_match_unit`` below the block that is a unit boundary up to a block past the column's
+    boundary, with a cache-hit alignment above the Mamba block (a Mamba block finer than the
+    attention block) a boundary a block or more below it. The interior plan leaves that column
+    to vLLM, or two states go to one block."""
+    return -(-seq_len // block_size) - 2
 
 
 def _empty_checkpoint(m: Any, first_row: int, num_prefills: int) -> Any:

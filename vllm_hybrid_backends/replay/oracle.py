@@ -291,12 +291,14 @@ class FakeHybridWorker:
                 # vLLM's Mamba2 forward writes the final conv state, then the prefill
                 # checkpoint (conv and SSM), then the final SSM state: same order here.
                 self._write_conv(row, ids, running_col, window, processed, real_end - start)
+                checkpoint_col = -1
                 if self.checkpoint_alignment is not None:
-                    self._store_checkpoint(req_id, req, row, ids, start, num_scheduled, length,
-                                           value, window, processed)
+                    checkpoint_col = self._store_checkpoint(
+                        req_id, req, row, ids, start, num_scheduled, length, value, window,
+                        processed)
                 if self.stores_interior:
                     self._store_interior(req_id, req, row, ids, start, real_end, length, value,
-                                         window, processed)
+                                         window, processed, skip_column=checkpoint_col)
                 self._write_temporal(req, tokens, row, ids, running_col, length, value,
                                      processed, real_end - start)
 
@@ -348,8 +350,9 @@ class FakeHybridWorker:
 
     def _store_checkpoint(self, req_id: str, req: _Request, row: int, ids: list[int], start: int,
                           num_scheduled: int, length: int, value: int, window: list[int],
-                          processed: list[int]) -> None:
-        """Mamba2-style internal prefill checkpoint, as vLLM's checkpoint builder plans it."""
+                          processed: list[int]) -> int:
+        """Mamba2-style internal prefill checkpoint, as vLLM's checkpoint builder plans it;
+        returns the block-table column written (-1: none)."""
         from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
 
         cfg = self.setup.kv_cache_config
@@ -358,7 +361,7 @@ class FakeHybridWorker:
             mamba_block_size=self.block_size, checkpoint_alignment=self.checkpoint_alignment,
             drop_eagle_block=False, cache_hit_alignment_tokens=cfg.cache_hit_alignment_tokens)
         if cols[0] < 0:
-            return
+            return -1
         offset = offsets[0]
         tokens = self.tokens(req_id)
         h = self._fold(req, tokens, value, start, offset)
@@ -375,13 +378,24 @@ class FakeHybridWorker:
             temporal_row=torch.tensor([0]))
         plugins.store_checkpoints(self.states[2 * row: 2 * row + 2],
                                   [conv_source, temporal_source], batch)
+        return cols[0]
 
     def _store_interior(self, req_id: str, req: _Request, row: int, ids: list[int], start: int,
                         end: int, length: int, value: int, window: list[int],
-                        processed: list[int]) -> None:
+                        processed: list[int], skip_column: int = -1) -> None:
         """States at the interior checkpoints the KV-cache manager gave blocks, read from the
-        block table as the worker reads it (:func:`vllm_hybrid_backends.interior.checkpoints`)."""
-        points = interior.checkpoints(ids, start, end, self.block_size)
+        block table as the worker reads it (:func:`vllm_hybrid_backends.interior.checkpoints`).
+
+        ``skip_column``: the column vLLM's own Mamba2 prefill checkpoint went to
+        (``cdiv(seq_len, block) - 2``). It is left to vLLM, as the plugin's plan does
+        (``patch_vllm_v1_attention_backends_mamba2_attn.vllm_checkpoint_column``) and as vLLM
+        alone, which stores no interior states, does: when the checkpoint is not that column's
+        block boundary (a ``prefix_match_unit`` below the block, or an alignment above a finer
+        Mamba block) the manager keys the block at the checkpoint, so an interior state there
+        would be cached under the checkpoint's hash."""
+        points = [(offset, block) for offset, block in
+                  interior.checkpoints(ids, start, end, self.block_size)
+                  if interior.column_of(start, offset, self.block_size) != skip_column]
         if not points:
             return
         tokens = self.tokens(req_id)
