@@ -666,13 +666,13 @@ def test_mamba2_sub_block_hit_without_decode_states(monkeypatch):
     test_mamba2_checkpoint_chunk_starting_mid_block(*_SUB_BLOCK, "plugin")
 
 
-def _shared_system_prompt_trace(prefix_len: int = 12) -> Trace:
+def _shared_system_prompt_trace(prefix_len: int = 12, own_len: int = 40) -> Trace:
     """Three prompts that share only a ``prefix_len``-token system prompt, shorter than a
     block, each arriving after the previous one finished."""
     system = list(range(500, 500 + prefix_len))
     requests = []
     for i in range(3):
-        own = [1000 * (i + 1) + t for t in range(40)]
+        own = [1000 * (i + 1) + t for t in range(own_len)]
         requests.append(TraceRequest(f"r{i}", system + own, [7] * 2, arrival_s=0.1,
                                      after=f"r{i - 1}" if i else None))
     return Trace("system-prompt", requests)
@@ -716,3 +716,32 @@ def test_no_junction_state_where_the_pool_has_no_room(monkeypatch):
     assert [tight.requests[f"r{i}"].hit_tokens for i in range(3)] == [0, 0, 0]
     assert [spare_ignored.requests[f"r{i}"].hit_tokens for i in range(3)] == [0, 0, 12]
     assert tight.mismatches == [] and spare_ignored.mismatches == []
+
+
+@pytest.mark.skipif(not vllm_has_prefix_match_unit(), reason=(
+    "sub-block hits need vLLM's prefix_match_unit (0.32+)"))
+def test_a_junction_in_the_block_of_the_prompts_end_keeps_its_attention_key():
+    # 4 shared tokens + 8 own in 16-token blocks: vLLM keys the prompt's last unit (8) on the
+    # junction's block and drops its shorter keys; the junction's key must come back
+    config = _tiny(block_size=16, prefix_match_unit=4, max_num_batched_tokens=64)
+    result = run_replay(_shared_system_prompt_trace(4, 8), config, get_policy("plugin"))
+    assert [result.requests[f"r{i}"].hit_tokens for i in range(3)] == [0, 0, 4]
+    assert result.mismatches == [] and result.blocks_leaked == 0
+
+
+@pytest.mark.skipif(not vllm_has_prefix_match_unit(), reason=(
+    "sub-block hits need vLLM's prefix_match_unit (0.32+)"))
+@needs_mamba2_checkpoint
+def test_mamba2_tail_state_is_not_kept_in_vllms_checkpoint_column():
+    # Found by `make fuzz`: r0's first chunk [0, 16) with unit 4 and 8-token blocks: vLLM's
+    # worker writes its checkpoint (12, the last unit below 16) to column 0, the column of
+    # r0's tail state at 8; keeping that block as the state at 8 gave r3 the state after 12
+    first = [1745, 804, 1568, 1839, 877, 98, 546, 1993, 1063, 1011, 845, 1896, 1621, 1715,
+             637, 1998, 1745]
+    trace = Trace("ckpt-column", [TraceRequest("r0", first, [1745]),
+                                  TraceRequest("r3", first[:8] + [1745], [1745], after="r0")])
+    config = _tiny(shape=tiny_shape(("mamba", "attention"), kind="MAMBA2"), block_size=8,
+                   prefix_match_unit=4, cache_tokens=128, max_num_batched_tokens=16,
+                   max_num_seqs=1)
+    result = run_replay(trace, config, get_policy("plugin"))
+    assert [m.describe() for m in result.mismatches] == []

@@ -35,17 +35,23 @@ print(json.dumps({"version": vllm.__version__, "mismatches": m.state_mismatches,
 """
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not (TREE / "vllm").is_dir(), reason=f"no vLLM source tree at {TREE}")
-def test_replay_runs_on_the_vllm_033_scheduler():
+def _run_on_033(script: str) -> dict:
+    """Run ``script`` with the 0.33 tree first on the path; its last line of output, as JSON."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(TREE), os.environ.get("PYTHONPATH")) if p), VLLM_TARGET_DEVICE="cpu",
         VLLM_LOGGING_LEVEL="ERROR")
-    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["version"].startswith("0.33")
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (TREE / "vllm").is_dir(), reason=f"no vLLM source tree at {TREE}")
+def test_replay_runs_on_the_vllm_033_scheduler():
+    result = _run_on_033(SCRIPT)
     assert result["mismatches"] == 0 and result["checks"] > 0 and result["leaked"] == 0
 
 
@@ -73,13 +79,6 @@ print(json.dumps(out))
 @pytest.mark.slow
 @pytest.mark.skipif(not (TREE / "vllm").is_dir(), reason=f"no vLLM source tree at {TREE}")
 def test_sub_block_junctions_on_the_vllm_033_scheduler():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(TREE), os.environ.get("PYTHONPATH")) if p), VLLM_TARGET_DEVICE="cpu",
-        VLLM_LOGGING_LEVEL="ERROR")
-    run = subprocess.run([sys.executable, "-c", JUNCTION_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["version"].startswith("0.33")
+    result = _run_on_033(JUNCTION_SCRIPT)
     assert (result["upstream"], result["plugin"]) == ([0, 0, 0], [0, 0, 12])
     assert result["upstream_mismatches"] == result["plugin_mismatches"] == 0

@@ -376,7 +376,29 @@ def _admitted_boundaries(ledger: align.RetentionLedger, request: Any, policy: al
         found = {kind: positions for kind, positions in kinds.items()
                  if not policy.adaptive_retention or ledger.admits(kind, request.request_id)}
         memo[(num_prompt_tokens, block_size)] = found
+    taken = memo.get(_TAKEN_BY_CHECKPOINT)
+    if taken:
+        return {kind: kept for kind, positions in found.items()
+                if (kept := tuple(p for p in positions if p != taken))}
     return found
+
+
+#: memo key of the block boundary whose column vLLM's Mamba2 checkpoint takes this step
+_TAKEN_BY_CHECKPOINT = "taken by vLLM's checkpoint"
+
+
+def _boundary_taken_by_checkpoint(manager: Any, chunk_end: int) -> int:
+    """The block boundary whose column vLLM's Mamba2 worker writes its prefill checkpoint to in
+    the chunk ending at ``chunk_end`` (column ``cdiv(chunk_end, block) - 2``) when that state is
+    not the boundary's: with a ``prefix_match_unit`` below the block the checkpoint is the last
+    unit boundary below the chunk end. The plugin must not keep that column as the boundary's
+    state. 0 where there is none (no internal checkpoints, or hits on the block grid)."""
+    unit = getattr(manager, "cache_hit_alignment_tokens", 0)
+    size = manager.block_size
+    if not getattr(manager, "has_prefill_checkpoint_blocks", False) or not unit or unit >= size:
+        return 0
+    boundary = (-(-chunk_end // size) - 1) * size
+    return boundary if boundary > 0 and (chunk_end - 1) // unit * unit != boundary else 0
 
 
 def _mamba_managers(coordinator: Any) -> list[Any]:
@@ -533,6 +555,9 @@ def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: i
     managers = _mamba_managers(self)
     policy = _cache_policy(self, state)
     memo: dict[Any, Any] = {}
+    taken = _boundary_taken_by_checkpoint(managers[0], num_computed_tokens)
+    if taken:
+        memo[_TAKEN_BY_CHECKPOINT] = taken
     before = managers[0].num_cached_block.get(request.request_id, 0)
     with _keeping_boundaries(request, policy, memo, state.ledger):
         original(self, request, num_computed_tokens)

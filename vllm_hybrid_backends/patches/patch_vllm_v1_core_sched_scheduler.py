@@ -51,7 +51,7 @@ import importlib
 from typing import Any
 
 from .. import align, junctions, stats
-from ..compat import signature_problem
+from ..compat import signature_problem, version_allows
 from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
 
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
@@ -146,9 +146,10 @@ def _stores_interior(scheduler: Any) -> bool:
     return known
 
 
-def _get_local_prefix_cache_hit(self: Any, request: Any, *args: Any) -> Any:
-    """vLLM's lookup (0.33 adds ``max_cache_hit_length``, passed through), then the junction."""
-    found = _ORIGINALS["_get_local_prefix_cache_hit"](self, request, *args)
+def _get_local_prefix_cache_hit(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    """vLLM's lookup (0.33 adds ``max_cache_hit_length``, passed through), then the junction.
+    (The connector's re-lookup after a diverged hit calls the manager directly: no junction.)"""
+    found = _ORIGINALS["_get_local_prefix_cache_hit"](self, request, *args, **kwargs)
     seen = _seen_prefixes(self)
     if seen is None:
         return found
@@ -192,8 +193,8 @@ def _enable_junctions(scheduler: Any) -> junctions.SeenPrefixes | None:
     manager = scheduler.kv_cache_manager
     coordinator = manager.coordinator
     if not getattr(scheduler, "mamba_partial_cache_hit", False) or coordinator.__dict__.get(
-            "num_reprefillable_tokens", 0):
-        return None
+            "num_reprefillable_tokens", 0) or getattr(coordinator, "eagle_group_ids", ()):
+        return None  # with EAGLE, vLLM's own junction (its lookups drop a unit)
     mamba = coordinator_patch._mamba_managers(coordinator)
     if not mamba or not all(hasattr(m, "shared_prefix_checkpoint") for m in mamba):
         return None
@@ -209,16 +210,17 @@ def _enable_junctions(scheduler: Any) -> junctions.SeenPrefixes | None:
 def _cache_partial_tail_block(self: Any, request: Any, num_tokens: int) -> Any:
     """vLLM's (the prompt's last unit boundary), then a key at the plugin's junction on the
     attention block that holds it: the attention half of a sub-block junction hit. vLLM drops
-    a block's partial keys when the block fills (``BlockPool.cache_full_blocks`` promotes it),
-    so the key is added when the chunk ends at the junction and again once that block is full;
-    then the request is done with it."""
+    a block's shorter keys when it keys the prompt's tail in the same block and all partial
+    keys when the block fills (``BlockPool.cache_partial_block``, ``cache_full_blocks``), so
+    the key is added again after each prefill chunk from the junction on and once the block
+    is full; then the request is done with it (adding a key it has is a no-op)."""
     result = _ORIGINALS["_cache_partial_tail_block"](self, request, num_tokens)
     junction = request.__dict__.get("_hybrid_junction")
     if junction and num_tokens >= junction and junction % self.block_size \
             and request.shared_prefix_boundary == junction:
         index = junction // self.block_size
         full = num_tokens >= (index + 1) * self.block_size
-        if full or num_tokens == junction:
+        if full or num_tokens <= request.num_prompt_tokens:
             blocks = self.req_to_blocks[request.request_id]
             if index < len(blocks) and not blocks[index].is_null:
                 self.block_pool.cache_partial_block(
@@ -236,6 +238,8 @@ def _full_attention_class() -> Any:
 def _junction_targets() -> list[tuple[Any, str, Any]]:
     """(owner, method, wrapper) of the sub-block junction wiring where this vLLM has both
     seams (0.32+); empty before."""
+    if not version_allows(">=0.32"):  # no prefix_match_unit before 0.32: nothing to wire
+        return []
     scheduler = _scheduler_class()
     attention = _full_attention_class()
     if not callable(getattr(scheduler, "_get_local_prefix_cache_hit", None)) or not callable(
