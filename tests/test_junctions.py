@@ -52,3 +52,15 @@ def test_forgetting_keeps_every_prefix_of_a_remembered_one():
 def test_a_bad_capacity_is_named():
     with pytest.raises(ValueError, match=r"capacity=0: allowed values are integers >= 1"):
         SeenPrefixes(0)
+
+
+def test_nothing_is_wired_for_junctions_before_vllm_032(monkeypatch):
+    pytest.importorskip("vllm")
+    from vllm_hybrid_backends import compat
+    from vllm_hybrid_backends.patches import patch_vllm_v1_core_sched_scheduler as scheduler_patch
+
+    if compat.version_allows(">=0.32"):  # the seams exist here: both are wired
+        assert [name for _, name, _ in scheduler_patch._junction_targets()] == [
+            "_get_local_prefix_cache_hit", "_cache_partial_tail_block"]
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.31.0")
+    assert scheduler_patch._junction_targets() == []
