@@ -390,12 +390,14 @@ _TAKEN_BY_CHECKPOINT = "taken by vLLM's checkpoint"
 def _boundary_taken_by_checkpoint(manager: Any, chunk_end: int) -> int:
     """The block boundary whose column vLLM's Mamba2 worker writes its prefill checkpoint to in
     the chunk ending at ``chunk_end`` (column ``cdiv(chunk_end, block) - 2``) when that state is
-    not the boundary's: with a ``prefix_match_unit`` below the block the checkpoint is the last
-    unit boundary below the chunk end. The plugin must not keep that column as the boundary's
-    state. 0 where there is none (no internal checkpoints, or hits on the block grid)."""
+    not the boundary's: the checkpoint is the last boundary of the cache-hit alignment below the
+    chunk end, a unit inside the block with a ``prefix_match_unit`` below it, a coarser boundary
+    with a Mamba block finer than the attention block. The plugin must not keep that column as
+    the boundary's state. 0 where there is none (no internal checkpoints, or the alignment is
+    the Mamba block)."""
     unit = getattr(manager, "cache_hit_alignment_tokens", 0)
     size = manager.block_size
-    if not getattr(manager, "has_prefill_checkpoint_blocks", False) or not unit or unit >= size:
+    if not getattr(manager, "has_prefill_checkpoint_blocks", False) or not unit or unit == size:
         return 0
     boundary = (-(-chunk_end // size) - 1) * size
     return boundary if boundary > 0 and (chunk_end - 1) // unit * unit != boundary else 0
