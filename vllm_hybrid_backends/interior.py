@@ -51,6 +51,19 @@ def column_of(start: int, offset: int, block_size: int) -> int:
     return (start + offset) // block_size - 1
 
 
+def vllm_checkpoint_column(seq_len: int, block_size: int) -> int:
+    """The block-table column vLLM stores a row's prefill checkpoint in: ``cdiv(seq_len,
+    block_size) - 2`` (``compute_mamba_prefill_checkpoints`` in
+    ``model_executor/layers/mamba/checkpoint.py``, ``checkpoint_idx`` in
+    ``MambaManager.get_num_blocks_to_allocate``), whatever the checkpoint's position: with a
+    ``prefix_match_unit`` below the block that is a unit boundary up to a block past the column's
+    boundary, with a cache-hit alignment above the Mamba block (a Mamba block finer than the
+    attention block) a boundary a block or more below it. The worker's interior plan leaves that
+    column to vLLM, and the KV-cache manager keeps no boundary state there, or two states go to
+    one block."""
+    return -(-seq_len // block_size) - 2
+
+
 def crossed_columns(start: int, end: int, block_size: int) -> tuple[int, int]:
     """The columns ``[first, last)`` that may hold interior states of the chunk ``[start, end)``:
     earlier ones hold the states the request started from (a partial first block's is the hit's),

@@ -105,7 +105,8 @@ def plan_interior_states(block_table: Any, query_start_loc: Any, seq_lens: Any, 
     ``query_start_loc`` and ``seq_lens`` are host tensors. ``prune_on_host`` (default: the
     table is on the CPU) drops the skipped candidates, and returns None when none is left.
     ``vllm_offsets`` are vLLM's own checkpoint offsets per prefill row (0: none): the column
-    vLLM stores its checkpoint in is skipped here (:func:`vllm_checkpoint_column`);
+    vLLM stores its checkpoint in is skipped here
+    (:func:`vllm_hybrid_backends.interior.vllm_checkpoint_column`);
     ``compute_chunk_metadata`` is vLLM's ``_compute_chunk_metadata`` (the chunk table the scan
     runs over, so each boundary's chunk index is the one vLLM's scan returns its state at).
     """
@@ -114,8 +115,8 @@ def plan_interior_states(block_table: Any, query_start_loc: Any, seq_lens: Any, 
             query_start_loc, seq_lens, range(first_row, first_row + num_prefills), block_size,
             block_table.shape[1]):
         p = r - first_row
-        if vllm_offsets and vllm_offsets[p] and c == vllm_checkpoint_column(int(seq_lens[r]),
-                                                                            block_size):
+        if vllm_offsets and vllm_offsets[p] and c == interior.vllm_checkpoint_column(
+                int(seq_lens[r]), block_size):
             continue
         rows.append(r)
         cols.append(c)
@@ -154,18 +155,6 @@ def plan_interior_states(block_table: Any, query_start_loc: Any, seq_lens: Any, 
                 "a multiple of the chunk size")
         chunks.append(chunk_ending[(p, offset)])
     return interior.device_plan(block_table, rows, cols, token_end, seq_start, chunks, blocks)
-
-
-def vllm_checkpoint_column(seq_len: int, block_size: int) -> int:
-    """The block-table column vLLM stores a row's prefill checkpoint in: ``cdiv(seq_len,
-    block_size) - 2`` (``compute_mamba_prefill_checkpoints`` in
-    ``model_executor/layers/mamba/checkpoint.py``, ``checkpoint_idx`` in
-    ``MambaManager.get_num_blocks_to_allocate``), whatever the checkpoint's position: with a
-    ``prefix_match_unit`` below the block that is a unit boundary up to a block past the column's
-    boundary, with a cache-hit alignment above the Mamba block (a Mamba block finer than the
-    attention block) a boundary a block or more below it. The interior plan leaves that column
-    to vLLM, or two states go to one block."""
-    return -(-seq_len // block_size) - 2
 
 
 def _empty_checkpoint(m: Any, first_row: int, num_prefills: int) -> Any:

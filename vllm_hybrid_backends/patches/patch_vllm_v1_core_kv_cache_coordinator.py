@@ -389,8 +389,8 @@ _TAKEN_BY_CHECKPOINT = "taken by vLLM's checkpoint"
 
 def _boundary_taken_by_checkpoint(manager: Any, chunk_end: int) -> int:
     """The block boundary whose column vLLM's Mamba2 worker writes its prefill checkpoint to in
-    the chunk ending at ``chunk_end`` (column ``cdiv(chunk_end, block) - 2``) when that state is
-    not the boundary's: the checkpoint is the last boundary of the cache-hit alignment below the
+    the chunk ending at ``chunk_end`` (:func:`vllm_hybrid_backends.interior.vllm_checkpoint_column`)
+    when that state is not the boundary's: the checkpoint is the last boundary of the cache-hit alignment below the
     chunk end, a unit inside the block with a ``prefix_match_unit`` below it, a coarser boundary
     with a Mamba block finer than the attention block. The plugin must not keep that column as
     the boundary's state. 0 where there is none (no internal checkpoints, or the alignment is
@@ -399,7 +399,7 @@ def _boundary_taken_by_checkpoint(manager: Any, chunk_end: int) -> int:
     size = manager.block_size
     if not getattr(manager, "has_prefill_checkpoint_blocks", False) or not unit or unit == size:
         return 0
-    boundary = (-(-chunk_end // size) - 1) * size
+    boundary = (interior.vllm_checkpoint_column(chunk_end, size) + 1) * size
     return boundary if boundary > 0 and (chunk_end - 1) // unit * unit != boundary else 0
 
 

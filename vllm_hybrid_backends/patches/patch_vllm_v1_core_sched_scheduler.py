@@ -36,7 +36,10 @@
   a key at the junction on the block that holds it
   (``FullAttentionManager._cache_partial_tail_block``, which vLLM's ``cache_blocks`` calls only
   when the hash unit is below the block, wrapped to add it), so the next request that shares
-  the prefix hits it in both groups. Without ``prefix_match_unit`` nothing changes.
+  the prefix hits it in both groups. A junction is made only while
+  :data:`JUNCTION_SPARE_BLOCKS` blocks beyond the prompt's are free (under pressure its state
+  and two extra chunks cost preemptions), and not with EAGLE (vLLM's own junction there).
+  Without ``prefix_match_unit`` nothing changes.
 - Upstream: vLLM #54076 (chunk ends off the Mamba grid, open); the agentic miss is §4(a) of
   ``vllm_map.md``; junction checkpoints #37898 only help the third request.
 - vLLM versions: 0.23.x, 0.26.x, 0.30.x-0.33.x (the method's signature is checked when it

@@ -388,7 +388,7 @@ class FakeHybridWorker:
 
         ``skip_column``: the column vLLM's own Mamba2 prefill checkpoint went to
         (``cdiv(seq_len, block) - 2``). It is left to vLLM, as the plugin's plan does
-        (``patch_vllm_v1_attention_backends_mamba2_attn.vllm_checkpoint_column``) and as vLLM
+        (``vllm_hybrid_backends.interior.vllm_checkpoint_column``) and as vLLM
         alone, which stores no interior states, does: when the checkpoint is not that column's
         block boundary (a ``prefix_match_unit`` below the block, or an alignment above a finer
         Mamba block) the manager keys the block at the checkpoint, so an interior state there
