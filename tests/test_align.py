@@ -65,6 +65,53 @@ def test_tail_checkpoints_are_aligned_distinct_and_before_the_last_boundary(prom
     assert all(last - p <= 128 * block for p in points)
 
 
+@pytest.mark.parametrize("prompt", [1, 1000, 4096, 100_003])
+@pytest.mark.parametrize("block", [16, 128, 528])
+def test_far_checkpoints_lie_past_the_dense_reach_at_doubling_distances(prompt, block):
+    last = align.last_prompt_boundary(prompt, block)
+    near = align.tail_checkpoints(prompt, block, 4, dense=True)
+    far = align.far_checkpoints_by_kind(prompt, block, 4)
+    points = sorted(far.values(), reverse=True)
+    assert all(0 < p < min(near, default=last) and p % block == 0 for p in points)
+    gaps = [last - p for p in points]
+    assert all(b == 2 * a for a, b in zip(gaps, gaps[1:]))  # each twice as far as the last
+    # every boundary down to the first block is within a factor of two of a kept one
+    if last >= 32 * block:
+        assert min(points) <= last // 2
+    assert all(align.is_far(kind) for kind in far) and not align.far_checkpoints_by_kind(
+        prompt, block, 0)
+
+
+def test_far_checkpoints_only_where_tails_are_stored_inside_the_chunk():
+    dense = align.policy_for_model(DEFAULT, internal_prefill_checkpoints=False, interior_states=True)
+    kept = align.retained_boundaries_by_kind(5000, 5000, 128, dense)
+    assert {kind: p for kind, p in kept.items() if align.is_far(kind)} == {
+        "far-16": (4992 - 16 * 128,), "far-32": (4992 - 32 * 128,)}
+    assert not any(align.is_far(k) for k in align.retained_boundaries_by_kind(5000, 5000, 128,
+                                                                             DEFAULT))
+    no_far = align.AlignPolicy(far_checkpoints=False, dense_tails=True)
+    assert not any(align.is_far(k) for k in align.retained_boundaries_by_kind(5000, 5000, 128,
+                                                                             no_far))
+    inside = align.interior_tail_checkpoints_by_kind(0, 2048, 5000, 128, dense)
+    assert inside == {"far-32": 896} and align.chunk_end(0, 2048, 5000, 5000, 128, 128, dense,
+                                                         interior_states=True) == 2048
+
+
+def test_far_kinds_are_kept_only_on_trial_and_never_proven():
+    ledger = align.RetentionLedger()
+    for block_id in range(40):  # a record that would prove any other kind
+        ledger.record_kept("far-16", block_id, f"h{block_id}")
+        ledger.record_hit(block_id, f"h{block_id}")
+        ledger.record_kept("tail-1", 100 + block_id, f"t{block_id}")
+        ledger.record_hit(100 + block_id, f"t{block_id}")
+    assert ledger.proven("tail-1") and not ledger.proven("far-16")
+    assert ledger.admits("tail-1", "r0") and not ledger.admits("far-16", "r0")
+    ledger.keep_on_trial(["far-16"], "r1")
+    assert ledger.admits("far-16", "r1")
+    ledger.record_kept("far-16", 999, "fresh")
+    assert ledger.on_probation(999, "fresh")  # evicted before what upstream keeps
+
+
 def test_decode_boundary_is_kept_from_the_prompt_end_on():
     assert align.decode_boundary(1500, 1500, 128) is None  # still inside the prompt's last block
     assert align.decode_boundary(1500, 1537, 128) == 1536
@@ -618,14 +665,14 @@ def test_interior_columns_part_proven_kinds_from_the_ones_still_on_trial():
         ledger.record_hit(block, ("h", block))
     manager = types.SimpleNamespace(block_size=128, _partial_hit_reqs=set())
     request = types.SimpleNamespace(request_id="r", num_prompt_tokens=1500, num_tokens=1500)
-    proven, trial, refused = coordinator_patch._interior_columns(ledger, manager, request, 0,
-                                                                 1500)
+    proven, trial, refused, far = coordinator_patch._interior_columns(ledger, manager, request,
+                                                                      0, 1500)
     policy = align.policy_for_model(align.active_policy(), internal_prefill_checkpoints=False,
                                     interior_states=True)
     every = align.interior_tail_checkpoints(0, 1500, 1500, 128, policy)
     assert proven == interior.planned_columns([1280], 128)  # tail-1: 1408 - 128
     assert sorted(proven + trial) == interior.planned_columns(every, 128) and len(trial) > 1
-    assert refused == {}
+    assert refused == {} and far == {}  # 11 blocks: nothing past the dense reach
 
 
 def test_interior_columns_offer_kinds_the_ledger_refuses_for_trial():
@@ -636,10 +683,10 @@ def test_interior_columns_offer_kinds_the_ledger_refuses_for_trial():
     assert zlib.crc32(b"r") % align.RETENTION_EXPLORE  # "r" is not sampled for exploration
     assert not ledger.admits("tail-1", "r")
     manager = types.SimpleNamespace(block_size=128, _partial_hit_reqs=set())
-    proven, trial, refused = coordinator_patch._interior_columns(ledger, manager, request, 0,
-                                                                 1500)
+    proven, trial, refused, far = coordinator_patch._interior_columns(ledger, manager, request,
+                                                                      0, 1500)
     tail_1 = interior.planned_columns([1280], 128)[0]  # 1408 - 128
-    assert proven == [] and refused[tail_1] == "tail-1" and tail_1 not in trial
+    assert proven == [] and refused[tail_1] == "tail-1" and tail_1 not in trial and far == {}
     # the pool gave its block: the request keeps that state after all, the others stay as decided
     ledger.keep_on_trial([refused[tail_1]], "r")
     assert zlib.crc32(b"q") % align.RETENTION_EXPLORE

@@ -12,6 +12,13 @@ per-request paths then read no environment variable):
   distances that get reused). A later request that diverges inside the prompt resumes from
   the nearest one instead of recomputing from zero (vLLM's own junction checkpoint only helps
   the *third* request of a branch).
+- ``VLLM_HYBRID_FAR_CHECKPOINTS`` (default 1): where tail states are stored inside the chunk,
+  also keep states farther back than the tail reach, at doubling distances (``2 ** N``,
+  ``2 ** (N + 1)``, ... blocks before the prompt's last boundary), speculatively: only while
+  the pool has many uncached blocks free, evicted before every other cached block, never
+  split for (kind ``far-<distance>``). A follow-up that branches deep inside an earlier
+  prompt (the second time that prefix is seen: no junction exists yet) resumes from the
+  nearest one instead of from zero.
 - ``VLLM_HYBRID_DECODE_CHECKPOINTS`` (default 1): keep the Mamba state at every block boundary
   crossed while decoding, so the next turn of a conversation (prompt + output + new message)
   hits past the output (vLLM #50551).
@@ -63,9 +70,11 @@ ADAPTIVE_RETENTION_ENV = "VLLM_HYBRID_ADAPTIVE_RETENTION"
 INTERIOR_STATES_ENV = "VLLM_HYBRID_INTERIOR_STATES"
 DECODE_MAX_STEPS_ENV = "VLLM_HYBRID_DECODE_CHECKPOINT_MAX_STEPS"
 SUBBLOCK_JUNCTIONS_ENV = "VLLM_HYBRID_SUBBLOCK_JUNCTIONS"
+FAR_CHECKPOINTS_ENV = "VLLM_HYBRID_FAR_CHECKPOINTS"
 DEFAULT_TAIL_CHECKPOINTS = 4
-#: Kinds of extra state: ``tail-<blocks before the last prompt boundary>`` and decode.
-TAIL, DECODE = "tail", "decode"
+#: Kinds of extra state: ``tail-<blocks before the last prompt boundary>``, decode, and
+#: ``far-<blocks before the last prompt boundary>`` (past the tail reach, speculative only).
+TAIL, DECODE, FAR = "tail", "decode", "far"
 #: Mamba layer kinds whose decode-end states are off unless ``VLLM_HYBRID_DECODE_CHECKPOINTS``
 #: is set: Mamba2's per-token decode update drifts from its chunked scan well past prefill-path
 #: noise (0.03-0.11 nats against 0.000, docs/decode_states.md); the gated delta net's stays
@@ -91,6 +100,8 @@ class AlignPolicy:
     decode_max_steps: int = 0
     #: a Mamba state where a prompt leaves a recent one inside a block (``prefix_match_unit``)
     subblock_junctions: bool = True
+    #: speculative states past the tail reach, at doubling distances (with ``dense_tails``)
+    far_checkpoints: bool = True
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -140,6 +151,7 @@ def current_policy() -> AlignPolicy:
         adaptive_retention=_flag(ADAPTIVE_RETENTION_ENV, True),
         interior_states=_flag(INTERIOR_STATES_ENV, True),
         subblock_junctions=_flag(SUBBLOCK_JUNCTIONS_ENV, True),
+        far_checkpoints=_flag(FAR_CHECKPOINTS_ENV, True),
     )
 
 
@@ -208,6 +220,27 @@ def tail_checkpoints_by_kind(num_prompt_tokens: int, block_size: int, count: int
     return {f"{TAIL}-{d}": last - d * block_size for d in distances}
 
 
+def far_checkpoints_by_kind(num_prompt_tokens: int, block_size: int,
+                            count: int) -> dict[str, int]:
+    """Boundaries past the dense tail reach (``2 ** (count - 1)`` blocks), at ``2 ** count``,
+    ``2 ** (count + 1)``, ... blocks before the prompt's last boundary, keyed by their kind
+    ``"far-<distance in blocks>"``: ``O(log n)`` states for a prompt of ``n`` blocks, so a
+    branch at distance ``d`` resumes at most ``d`` blocks early."""
+    if count <= 0:
+        return {}
+    last = last_prompt_boundary(num_prompt_tokens, block_size)
+    kinds = {}
+    distance = 1 << min(count, 62)
+    while distance * block_size < last:
+        kinds[f"{FAR}-{distance}"] = last - distance * block_size
+        distance *= 2
+    return kinds
+
+
+def is_far(kind: str) -> bool:
+    return kind.startswith(FAR + "-")
+
+
 def tail_checkpoints(num_prompt_tokens: int, block_size: int, count: int,
                      dense: bool = False) -> tuple[int, ...]:
     """The positions of :func:`tail_checkpoints_by_kind`, ascending."""
@@ -228,6 +261,9 @@ def retained_boundaries_by_kind(
     kinds: dict[str, tuple[int, ...]] = {kind: (position,) for kind, position in
              tail_checkpoints_by_kind(num_prompt_tokens, block_size, policy.tail_checkpoints,
                                       policy.dense_tails).items()}
+    if policy.dense_tails and policy.far_checkpoints:
+        kinds.update((kind, (position,)) for kind, position in far_checkpoints_by_kind(
+            num_prompt_tokens, block_size, policy.tail_checkpoints).items())
     decoded = decode_boundary(num_prompt_tokens, num_tokens, block_size)
     if (policy.decode_checkpoints is not False and decoded is not None
             and (not policy.decode_max_steps
@@ -275,6 +311,8 @@ class RetentionLedger:
     def admits(self, kind: str, request_id: str) -> bool:
         decisions = self._decisions.setdefault(request_id, {})
         decision = decisions.get(kind)
+        if decision is None and is_far(kind):
+            decision = decisions[kind] = False  # speculative only: kept on trial, never admitted
         if decision is None:
             family = kind.split("-", 1)[0]
             decision = admits_kind(self.kept.get(kind, 0), self.reused.get(kind, 0), request_id)
@@ -315,7 +353,10 @@ class RetentionLedger:
         self.family_reused[entry[0].split("-", 1)[0]] += 1
 
     def proven(self, kind: str) -> bool:
-        """Whether a kind's states have earned ordinary LRU treatment (warmed up and reused)."""
+        """Whether a kind's states have earned ordinary LRU treatment (warmed up and reused);
+        never a far kind: its states stay speculative until one is reused."""
+        if is_far(kind):
+            return False
         kept = self.kept.get(kind, 0)
         return kept >= RETENTION_WARMUP and self.reused.get(kind, 0) * RETENTION_MIN_REUSE >= kept
 
@@ -391,9 +432,12 @@ def interior_tail_checkpoints_by_kind(start: int, end: int, num_prompt_tokens: i
     if not policy.tail_checkpoints or end - start <= block_size:
         return {}
     first = -(-start // block_size) * block_size  # a partial first block's state is the hit's
-    return {kind: p for kind, p in tail_checkpoints_by_kind(
-        num_prompt_tokens, block_size, policy.tail_checkpoints, policy.dense_tails).items()
-        if first < p < end and p > start}
+    candidates = tail_checkpoints_by_kind(num_prompt_tokens, block_size, policy.tail_checkpoints,
+                                          policy.dense_tails)
+    if policy.dense_tails and policy.far_checkpoints:
+        candidates.update(far_checkpoints_by_kind(num_prompt_tokens, block_size,
+                                                  policy.tail_checkpoints))
+    return {kind: p for kind, p in candidates.items() if first < p < end and p > start}
 
 
 def suffix_eviction_order(groups: Sequence[tuple[int, Sequence[T]]]) -> list[T]:

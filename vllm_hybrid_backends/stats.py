@@ -3,7 +3,7 @@
 Off unless ``VLLM_HYBRID_STATS=1`` (read when the patches are applied). The engine process
 counts, in :data:`COUNTERS`:
 
-- ``kept``: Mamba states hashed (kept in the prefix cache) by kind: ``tail`` and ``decode``
+- ``kept``: Mamba states hashed (kept in the prefix cache) by kind: ``tail``, ``decode`` and ``far``
   (the plugin's extra states, :func:`vllm_hybrid_backends.align.retained_boundaries_by_kind`)
   and ``vllm`` (those vLLM keeps itself: the prompt's replay boundary, junctions);
 - ``reused``: prefix hits that end on a kept state, by the state's kind;
@@ -26,7 +26,7 @@ from typing import Any
 
 STATS_ENV = "VLLM_HYBRID_STATS"
 #: Kinds of kept Mamba state.
-KINDS = ("vllm", "tail", "decode")
+KINDS = ("vllm", "tail", "decode", "far")
 #: Reasons a lookup missed tokens the attention cache held (the replay's chunk reasons).
 MISS_REASONS = ("no_mamba_state_at_boundary", "evicted", "groups_disagreed", "other")
 #: Counter families: name -> (label, label values, help text).

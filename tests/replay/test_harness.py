@@ -745,3 +745,46 @@ def test_mamba2_tail_state_is_not_kept_in_vllms_checkpoint_column():
                    max_num_seqs=1)
     result = run_replay(trace, config, get_policy("plugin"))
     assert [m.describe() for m in result.mismatches] == []
+
+
+def _deep_branch_trace() -> Trace:
+    # "b" shares a's first 150 tokens of 400 (block 8: a's last boundary is 392, the dense tail
+    # reach 8 blocks back ends at 328; far states at 16 and 32 blocks back: 264 and 136)
+    prompt = list(range(3000, 3400))
+    return Trace("deep", [TraceRequest("a", prompt, [5] * 2),
+                          TraceRequest("b", prompt[:150] + list(range(7000, 7100)), [6] * 2,
+                                       arrival_s=5.0)])
+
+
+@no_interior_blocks_on_023
+def test_a_branch_deep_inside_an_earlier_prompt_resumes_from_a_far_state(monkeypatch):
+    from vllm_hybrid_backends import align
+
+    config = _tiny(max_num_batched_tokens=128)
+    runs = {policy: run_replay(_deep_branch_trace(), config, get_policy(policy))
+            for policy in ("upstream", "plugin")}
+    monkeypatch.setenv(align.FAR_CHECKPOINTS_ENV, "0")
+    runs["plugin, far off"] = run_replay(_deep_branch_trace(), config, get_policy("plugin"))
+    assert {name: run.requests["b"].hit_tokens for name, run in runs.items()} == {
+        "upstream": 0, "plugin": 136, "plugin, far off": 0}
+    for run in runs.values():
+        assert run.mismatches == [] and run.blocks_leaked == 0
+    # stored inside the chunk: "a" alone prefills in as many steps with far states as without
+    alone = Trace("alone", _deep_branch_trace().requests[:1])
+    steps_off = run_replay(alone, config, get_policy("plugin")).steps
+    monkeypatch.delenv(align.FAR_CHECKPOINTS_ENV)
+    assert run_replay(alone, config, get_policy("plugin")).steps == steps_off
+
+
+@no_interior_blocks_on_023
+def test_no_far_state_where_the_pool_has_no_room(monkeypatch):
+    from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
+
+    # 100 blocks: a's prompt alone holds 50 attention blocks; fewer than 64 uncached blocks
+    # would remain after the far states' blocks
+    config = _tiny(max_num_batched_tokens=128, cache_tokens=800)
+    tight = run_replay(_deep_branch_trace(), config, get_policy("plugin"))
+    monkeypatch.setattr(coordinator, "ROOMY_UNCACHED_BLOCKS", 0)
+    room_ignored = run_replay(_deep_branch_trace(), config, get_policy("plugin"))
+    assert (tight.requests["b"].hit_tokens, room_ignored.requests["b"].hit_tokens) == (0, 136)
+    assert tight.mismatches == [] and room_ignored.mismatches == []

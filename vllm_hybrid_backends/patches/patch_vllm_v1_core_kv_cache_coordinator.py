@@ -808,13 +808,15 @@ class InteriorColumns(NamedTuple):
     on_trial: list[int]
     #: column -> kind, of kinds the ledger refuses
     refused: dict[int, str]
+    #: column -> kind, of far kinds (speculative only, :func:`vllm_hybrid_backends.align.is_far`)
+    far: dict[int, str]
 
 
 def _interior_columns(ledger: align.RetentionLedger, manager: Any, request: Any, start: int,
                       end: int) -> InteriorColumns:
     """The chunk ``[start, end)``'s interior tail-state columns for ``request`` in ``manager``'s
     group (:class:`InteriorColumns`)."""
-    found = InteriorColumns([], [], {})
+    found = InteriorColumns([], [], {}, {})
     policy = align.policy_for_model(align.active_policy(), internal_prefill_checkpoints=False,
                                     interior_states=True)
     if (not policy.interior_states or request.request_id in manager._partial_hit_reqs
@@ -825,7 +827,9 @@ def _interior_columns(ledger: align.RetentionLedger, manager: Any, request: Any,
             start, end, request.num_prompt_tokens, size, policy).items(), key=lambda kp: kp[1]):
         column = position // size - 1
         admitted = not policy.adaptive_retention or ledger.admits(kind, request.request_id)
-        if admitted and (not policy.adaptive_retention or ledger.proven(kind)):
+        if align.is_far(kind):
+            found.far[column] = kind
+        elif admitted and (not policy.adaptive_retention or ledger.proven(kind)):
             found.proven.append(column)
         elif admitted:
             found.on_trial.append(column)
@@ -861,6 +865,7 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
         state = state_of(self)
         unproven: list[tuple[int, list[int]]] = []
         refused: list[tuple[int, list[int]]] = []
+        far: list[tuple[int, list[int]]] = []
         for group, manager in managers:
             if manager._has_partial_local_hit(new_computed_blocks[group],
                                               num_local_computed_tokens):
@@ -871,14 +876,22 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
             planned.append((group, columns.proven))
             unproven.append((group, columns.on_trial))
             refused.append((group, list(columns.refused)))
+            far.append((group, list(columns.far)))
             allocation.trial.update(columns.refused)
+            allocation.trial.update(columns.far)
         affordable = dict(_affordable_interior(state, self.block_pool, count, unproven))
         count += sum(len(columns) for columns in affordable.values())
         # Refused kinds: only in a roomy pool, where every Mamba group stores them (a hit needs
         # all), and not in vLLM's whole-sequence fit check (their blocks are optional).
-        roomy = {} if apply_admission_cap or len(managers) < len(_mamba_managers(self)) else \
-            dict(_roomy_interior(self.block_pool.free_block_queue, count, refused))
+        every_group = not apply_admission_cap and len(managers) == len(_mamba_managers(self))
+        roomy = dict(_roomy_interior(self.block_pool.free_block_queue, count, refused)) \
+            if every_group else {}
         count += sum(len(columns) for columns in roomy.values())
+        # Far kinds: after those, and only from blocks that hold nothing upstream keeps.
+        if every_group and any(columns for _, columns in far):
+            for group, columns in _roomy_far(state, self.block_pool.free_block_queue, count, far):
+                roomy[group] = roomy.get(group, []) + columns
+                count += len(columns)
         if affordable or roomy:
             planned = [(group, sorted(columns + affordable.get(group, [])
                                       + roomy.get(group, [])))
@@ -905,6 +918,17 @@ def _roomy_interior(queue: Any, reserved: int,
     limit = reserved + sum(len(columns) for _, columns in planned) + ROOMY_UNCACHED_BLOCKS
     uncached = _free_at_head(queue, limit, lambda block: block.block_hash is None)
     return planned if uncached >= limit else []
+
+
+def _roomy_far(state: CoordinatorState, queue: Any, reserved: int,
+               planned: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+    """The far columns in ``planned`` (per Mamba group), all of them if, after the ``reserved``
+    blocks, vLLM's free queue still has :data:`ROOMY_UNCACHED_BLOCKS` blocks that hold nothing
+    upstream would keep (uncached, or extra states nobody reused: a far state may replace an
+    older speculative one, never a prefix or a state vLLM keeps), else none."""
+    planned = [(group, columns) for group, columns in planned if columns]
+    limit = reserved + sum(len(columns) for _, columns in planned) + ROOMY_UNCACHED_BLOCKS
+    return planned if _spare_for_extras(state, queue, limit) >= limit else []
 
 
 def _affordable_interior(state: CoordinatorState, block_pool: Any, reserved: int,
