@@ -757,10 +757,14 @@ def _deep_branch_trace() -> Trace:
 
 
 @no_interior_blocks_on_023
-def test_a_branch_deep_inside_an_earlier_prompt_resumes_from_a_far_state(monkeypatch):
+@pytest.mark.parametrize("shape", [
+    pytest.param(tiny_shape(), id="gdn"),
+    pytest.param(tiny_shape(("mamba", "attention"), kind="MAMBA2"), id="mamba2",
+                 marks=needs_mamba2_checkpoint)])
+def test_a_branch_deep_inside_an_earlier_prompt_resumes_from_a_far_state(monkeypatch, shape):
     from vllm_hybrid_backends import align
 
-    config = _tiny(max_num_batched_tokens=128)
+    config = _tiny(shape=shape, max_num_batched_tokens=128)
     runs = {policy: run_replay(_deep_branch_trace(), config, get_policy(policy))
             for policy in ("upstream", "plugin")}
     monkeypatch.setenv(align.FAR_CHECKPOINTS_ENV, "0")

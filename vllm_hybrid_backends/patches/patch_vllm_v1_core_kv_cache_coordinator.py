@@ -57,7 +57,9 @@ finished request's cached prefix from its end, all groups together.
   is kept on trial only while the pool still has :data:`ROOMY_UNCACHED_BLOCKS` uncached
   blocks free after the allocation, :func:`_roomy_interior`, so where most prompts never
   come back, as in the public Mooncake traces, the rare branch still finds its state while
-  the pool has room) and remembers the columns;
+  the pool has room; far states, :func:`vllm_hybrid_backends.align.far_checkpoints_by_kind`,
+  only from blocks that hold nothing upstream keeps, with as many to spare after the near ones,
+  :func:`_roomy_far`) and remembers the columns;
   ``allocate_new_blocks`` puts a fresh block where
   vLLM padded those columns with the null block. The worker finds them in its block table
   (:func:`vllm_hybrid_backends.interior.checkpoints`) and stores the states through
