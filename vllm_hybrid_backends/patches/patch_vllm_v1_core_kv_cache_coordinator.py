@@ -891,9 +891,10 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
         count += sum(len(columns) for columns in roomy.values())
         # Far kinds: after those, and only from blocks that hold nothing upstream keeps.
         if every_group and any(columns for _, columns in far):
-            for group, columns in _roomy_far(state, self.block_pool.free_block_queue, count, far):
-                roomy[group] = roomy.get(group, []) + columns
-                count += len(columns)
+            for group, far_columns in _roomy_far(state, self.block_pool.free_block_queue, count,
+                                                 far):
+                roomy[group] = roomy.get(group, []) + far_columns
+                count += len(far_columns)
         if affordable or roomy:
             planned = [(group, sorted(columns + affordable.get(group, [])
                                       + roomy.get(group, [])))
