@@ -90,8 +90,14 @@ def test_far_checkpoints_only_where_tails_are_stored_inside_the_chunk():
     assert not any(align.is_far(k) for k in align.retained_boundaries_by_kind(5000, 5000, 128,
                                                                              DEFAULT))
     no_far = align.AlignPolicy(far_checkpoints=False, dense_tails=True)
-    assert not any(align.is_far(k) for k in align.retained_boundaries_by_kind(5000, 5000, 128,
-                                                                             no_far))
+    no_ledger = align.AlignPolicy(adaptive_retention=False, dense_tails=True)
+    for policy in (no_far, no_ledger):  # without the ledger nothing keeps them speculative
+        assert not any(align.is_far(k) for k in align.retained_boundaries_by_kind(
+            5000, 5000, 128, policy))
+    assert align.tail_kind_at(896, 5000, 128, dense) == "far-32"
+    assert align.tail_kind_at(4864, 5000, 128, dense) == "tail-1"
+    assert align.tail_kind_at(896, 5000, 128, no_ledger) is None
+    assert align.tail_kind_at(900, 5000, 128, dense) is None
     inside = align.interior_tail_checkpoints_by_kind(0, 2048, 5000, 128, dense)
     assert inside == {"far-32": 896} and align.chunk_end(0, 2048, 5000, 5000, 128, 128, dense,
                                                          interior_states=True) == 2048
@@ -709,3 +715,26 @@ def test_refused_kinds_get_interior_blocks_only_from_a_roomy_pool():
                         + [_block(i, False) for i in range(10, 20 + margin)])
     assert coordinator_patch._roomy_interior(split, 2, planned) == []
     assert coordinator_patch._roomy_interior(roomy, 2, [(1, []), (2, [])]) == []
+
+
+def test_a_state_hit_on_probation_leaves_it_and_anchors_nothing():
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+    blocks = [KVCacheBlock(i) for i in range(8)]
+    for block in blocks[1:]:
+        block._block_hash = f"h{block.block_id}".encode()  # all cached: a pool under pressure
+    queue = FreeKVCacheBlockQueue(blocks)
+    state = coordinator_patch.CoordinatorState()
+    manager = types.SimpleNamespace()
+    state.mamba_managers = [manager]
+    coordinator = types.SimpleNamespace(single_type_managers=[manager], _hybrid_state=state)
+    reused, released = blocks[5], blocks[6]
+    coordinator_patch._evict_first_among_cached(state, queue, [reused])
+    assert [b.block_id for b in queue.get_all_free_blocks()][:2] == [0, 5]
+    coordinator_patch._off_probation(state, coordinator, [[blocks[1], reused]])  # a hit ends on it
+    queue.remove(reused)  # the request takes it, then frees it: most recently used
+    queue.append(reused)
+    coordinator_patch._evict_first_among_cached(state, queue, [released])
+    # the next unreused state goes in front of every cached block, not behind the reused one
+    assert [b.block_id for b in queue.get_all_free_blocks()] == [0, 6, 1, 2, 3, 4, 7, 5]
+    assert not coordinator_patch._on_probation(state, reused)

@@ -241,6 +241,27 @@ def is_far(kind: str) -> bool:
     return kind.startswith(FAR + "-")
 
 
+def keeps_far_states(policy: AlignPolicy) -> bool:
+    """Far states need tail states stored inside the chunk and the ledger that keeps them on
+    trial and on probation (``VLLM_HYBRID_ADAPTIVE_RETENTION``): without it they would be
+    kept like any admitted kind."""
+    return policy.dense_tails and policy.far_checkpoints and policy.adaptive_retention
+
+
+def tail_kind_at(position: int, num_prompt_tokens: int, block_size: int,
+                 policy: AlignPolicy) -> str | None:
+    """The tail or far kind whose boundary is ``position`` where tail states are stored inside
+    the chunk (a chunk ending there keeps its state as that kind), or None."""
+    if not policy.dense_tails or not position or position % block_size:
+        return None
+    candidates = tail_checkpoints_by_kind(num_prompt_tokens, block_size, policy.tail_checkpoints,
+                                          True)
+    if keeps_far_states(policy):
+        candidates.update(far_checkpoints_by_kind(num_prompt_tokens, block_size,
+                                                  policy.tail_checkpoints))
+    return next((kind for kind, p in candidates.items() if p == position), None)
+
+
 def tail_checkpoints(num_prompt_tokens: int, block_size: int, count: int,
                      dense: bool = False) -> tuple[int, ...]:
     """The positions of :func:`tail_checkpoints_by_kind`, ascending."""
@@ -261,7 +282,7 @@ def retained_boundaries_by_kind(
     kinds: dict[str, tuple[int, ...]] = {kind: (position,) for kind, position in
              tail_checkpoints_by_kind(num_prompt_tokens, block_size, policy.tail_checkpoints,
                                       policy.dense_tails).items()}
-    if policy.dense_tails and policy.far_checkpoints:
+    if keeps_far_states(policy):
         kinds.update((kind, (position,)) for kind, position in far_checkpoints_by_kind(
             num_prompt_tokens, block_size, policy.tail_checkpoints).items())
     decoded = decode_boundary(num_prompt_tokens, num_tokens, block_size)
@@ -434,7 +455,7 @@ def interior_tail_checkpoints_by_kind(start: int, end: int, num_prompt_tokens: i
     first = -(-start // block_size) * block_size  # a partial first block's state is the hit's
     candidates = tail_checkpoints_by_kind(num_prompt_tokens, block_size, policy.tail_checkpoints,
                                           policy.dense_tails)
-    if policy.dense_tails and policy.far_checkpoints:
+    if keeps_far_states(policy):
         candidates.update(far_checkpoints_by_kind(num_prompt_tokens, block_size,
                                                   policy.tail_checkpoints))
     return {kind: p for kind, p in candidates.items() if first < p < end and p > start}

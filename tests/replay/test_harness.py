@@ -761,10 +761,14 @@ def _deep_branch_trace() -> Trace:
     pytest.param(tiny_shape(), id="gdn"),
     pytest.param(tiny_shape(("mamba", "attention"), kind="MAMBA2"), id="mamba2",
                  marks=needs_mamba2_checkpoint)])
-def test_a_branch_deep_inside_an_earlier_prompt_resumes_from_a_far_state(monkeypatch, shape):
+@pytest.mark.parametrize("budget", [128, 136], ids=["inside-a-chunk", "at-a-chunk-end"])
+def test_a_branch_deep_inside_an_earlier_prompt_resumes_from_a_far_state(monkeypatch, shape,
+                                                                          budget):
     from vllm_hybrid_backends import align
 
-    config = _tiny(shape=shape, max_num_batched_tokens=128)
+    # 136-token chunks end on the far state at 136: it is kept on the same terms as one
+    # stored inside a chunk
+    config = _tiny(shape=shape, max_num_batched_tokens=budget)
     runs = {policy: run_replay(_deep_branch_trace(), config, get_policy(policy))
             for policy in ("upstream", "plugin")}
     monkeypatch.setenv(align.FAR_CHECKPOINTS_ENV, "0")

@@ -719,13 +719,29 @@ def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length:
     if result[1] > 0 and managers:
         hit = result[0][self.single_type_managers.index(managers[0])]
         if hit and not hit[-1].is_null and hit[-1].block_hash is not None:
-            state_of(self).ledger.record_hit(hit[-1].block_id, hit[-1].block_hash)
+            state = state_of(self)
+            state.ledger.record_hit(hit[-1].block_id, hit[-1].block_hash)
+            if state.probation or state.deferred:
+                _off_probation(state, self, result[0])
             if stats.enabled:
                 stats.record_reused(hit[-1])
     if stats.enabled and managers:
         stats.record_misses(stats.classify_misses(self, managers, block_hashes, result[1],
                                                   max_cache_hit_length))
     return result
+
+
+def _off_probation(state: CoordinatorState, coordinator: Any, hit_blocks: Any) -> None:
+    """A hit ends on these Mamba states: they are reused now, so they leave the probation
+    segment's bookkeeping (freed again later, they must not anchor new probation blocks nor
+    count as spare for extras)."""
+    for manager in _mamba_managers(coordinator):
+        blocks = hit_blocks[coordinator.single_type_managers.index(manager)]
+        if blocks:
+            block_id = blocks[-1].block_id
+            state.probation.pop(block_id, None)
+            state.deferred.pop(block_id, None)
+            state.probation_keys.pop(block_id, None)
 
 
 def free(self: Any, request_id: str) -> None:
@@ -868,9 +884,11 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
         unproven: list[tuple[int, list[int]]] = []
         refused: list[tuple[int, list[int]]] = []
         far: list[tuple[int, list[int]]] = []
+        partial_hit = False
         for group, manager in managers:
             if manager._has_partial_local_hit(new_computed_blocks[group],
                                               num_local_computed_tokens):
+                partial_hit = True
                 continue
             columns = _interior_columns(state.ledger, manager, request, total_computed_tokens,
                                         num_tokens_main_model)
@@ -895,6 +913,10 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
                                                  far):
                 roomy[group] = roomy.get(group, []) + far_columns
                 count += len(far_columns)
+        if every_group and not partial_hit and not apply_admission_cap:
+            allocation.end_trial = _chunk_end_trial(state, self.block_pool.free_block_queue,
+                                                    request, num_tokens_main_model,
+                                                    managers[0][1].block_size, count)
         if affordable or roomy:
             planned = [(group, sorted(columns + affordable.get(group, [])
                                       + roomy.get(group, [])))
@@ -921,6 +943,26 @@ def _roomy_interior(queue: Any, reserved: int,
     limit = reserved + sum(len(columns) for _, columns in planned) + ROOMY_UNCACHED_BLOCKS
     uncached = _free_at_head(queue, limit, lambda block: block.block_hash is None)
     return planned if uncached >= limit else []
+
+
+def _chunk_end_trial(state: CoordinatorState, queue: Any, request: Any, end: int,
+                     block_size: int, reserved: int) -> list[str]:
+    """The kind to keep on trial for the state at the chunk's end, ``end``, when that is a tail
+    or far boundary the ledger does not admit for the request: on the terms an interior state
+    of that kind would get (:func:`_roomy_interior`, :func:`_roomy_far`), though it needs no
+    block of its own (the chunk's running state is there)."""
+    policy = align.policy_for_model(align.active_policy(), internal_prefill_checkpoints=False,
+                                    interior_states=True)
+    kind = align.tail_kind_at(end, request.num_prompt_tokens, block_size, policy)
+    if kind is None or not policy.adaptive_retention or state.ledger.admits(
+            kind, request.request_id):
+        return []
+    limit = reserved + ROOMY_UNCACHED_BLOCKS
+    if align.is_far(kind):
+        room = _spare_for_extras(state, queue, limit)
+    else:
+        room = _free_at_head(queue, limit, lambda block: block.block_hash is None)
+    return [kind] if room >= limit else []
 
 
 def _roomy_far(state: CoordinatorState, queue: Any, reserved: int,
@@ -1004,6 +1046,8 @@ def get_num_blocks_to_allocate_without_local(
 def allocate_new_blocks(self: Any, request_id: str, num_tokens: int, num_tokens_main_model: int,
                         num_encoder_tokens: int = 0) -> Any:
     allocation = manager_patch.allocating_for.get()
+    if allocation is not None and allocation.end_trial:  # the chunk is allocated: keep it
+        state_of(self).ledger.keep_on_trial(allocation.end_trial, request_id)
     plan = allocation.plan if allocation is not None else None
     if plan is None:
         return _ORIGINALS["KVCacheCoordinator.allocate_new_blocks"](

@@ -41,7 +41,7 @@ class Allocation:
     """The request ``allocate_slots`` is allocating for, whether interior blocks were counted,
     and where the coordinator planned them for ``allocate_new_blocks``."""
 
-    __slots__ = ("request", "interior", "plan", "trial")
+    __slots__ = ("request", "interior", "plan", "trial", "end_trial")
 
     def __init__(self, request: Any) -> None:
         self.request = request
@@ -51,6 +51,9 @@ class Allocation:
         #: block-table column -> kind of the planned interior states the ledger refused, kept on
         #: trial once their blocks are placed
         self.trial: dict[int, str] = {}
+        #: kinds (refused or far) of the chunk end's state, kept on trial once the chunk's
+        #: blocks are allocated
+        self.end_trial: list[str] = []
 
 
 #: The allocation ``KVCacheManager.allocate_slots`` is running, or None.
