@@ -716,25 +716,3 @@ def test_refused_kinds_get_interior_blocks_only_from_a_roomy_pool():
     assert coordinator_patch._roomy_interior(split, 2, planned) == []
     assert coordinator_patch._roomy_interior(roomy, 2, [(1, []), (2, [])]) == []
 
-
-def test_a_state_hit_on_probation_leaves_it_and_anchors_nothing():
-    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
-
-    blocks = [KVCacheBlock(i) for i in range(8)]
-    for block in blocks[1:]:
-        block._block_hash = f"h{block.block_id}".encode()  # all cached: a pool under pressure
-    queue = FreeKVCacheBlockQueue(blocks)
-    state = coordinator_patch.CoordinatorState()
-    manager = types.SimpleNamespace()
-    state.mamba_managers = [manager]
-    coordinator = types.SimpleNamespace(single_type_managers=[manager], _hybrid_state=state)
-    reused, released = blocks[5], blocks[6]
-    coordinator_patch._evict_first_among_cached(state, queue, [reused])
-    assert [b.block_id for b in queue.get_all_free_blocks()][:2] == [0, 5]
-    coordinator_patch._off_probation(state, coordinator, [[blocks[1], reused]])  # a hit ends on it
-    queue.remove(reused)  # the request takes it, then frees it: most recently used
-    queue.append(reused)
-    coordinator_patch._evict_first_among_cached(state, queue, [released])
-    # the next unreused state goes in front of every cached block, not behind the reused one
-    assert [b.block_id for b in queue.get_all_free_blocks()] == [0, 6, 1, 2, 3, 4, 7, 5]
-    assert not coordinator_patch._on_probation(state, reused)

@@ -719,29 +719,13 @@ def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length:
     if result[1] > 0 and managers:
         hit = result[0][self.single_type_managers.index(managers[0])]
         if hit and not hit[-1].is_null and hit[-1].block_hash is not None:
-            state = state_of(self)
-            state.ledger.record_hit(hit[-1].block_id, hit[-1].block_hash)
-            if state.probation or state.deferred:
-                _off_probation(state, self, result[0])
+            state_of(self).ledger.record_hit(hit[-1].block_id, hit[-1].block_hash)
             if stats.enabled:
                 stats.record_reused(hit[-1])
     if stats.enabled and managers:
         stats.record_misses(stats.classify_misses(self, managers, block_hashes, result[1],
                                                   max_cache_hit_length))
     return result
-
-
-def _off_probation(state: CoordinatorState, coordinator: Any, hit_blocks: Any) -> None:
-    """A hit ends on these Mamba states: they are reused now, so they leave the probation
-    segment's bookkeeping (freed again later, they must not anchor new probation blocks nor
-    count as spare for extras)."""
-    for manager in _mamba_managers(coordinator):
-        blocks = hit_blocks[coordinator.single_type_managers.index(manager)]
-        if blocks:
-            block_id = blocks[-1].block_id
-            state.probation.pop(block_id, None)
-            state.deferred.pop(block_id, None)
-            state.probation_keys.pop(block_id, None)
 
 
 def free(self: Any, request_id: str) -> None:
