@@ -10,6 +10,9 @@ longest Mamba hit is the state stored inside A's chunk at that checkpoint. Check
   forward over the prefix: a wrong or missing state moves logits far past the tolerance),
 - no extra chunk split: the engine ran one prefill step per prompt and one per decoded
   token (``vllm:iteration_tokens_total`` count), the step count of a run without tail states.
+
+The same for a far state (``VLLM_HYBRID_FAR_CHECKPOINTS``): B leaves a 3000-token A past the
+dense tail reach, and hits A's first far state (nothing without far states).
 """
 
 from __future__ import annotations
@@ -63,3 +66,34 @@ def test_tail_state_stored_inside_the_chunk_serves_a_branch(model, block):
     assert len(set(cached.requests[1].output_token_ids)) > 1
     # one prefill step per prompt (a chunk split per tail state would add a step each)
     assert _steps(cached.metrics_text) == 2 * MAX_TOKENS
+
+
+
+#: (model, Mamba block, tail-checkpoint count N: the first far state is 2**N blocks back); the
+#: zoo models take 4096 positions, so granite_hybrid's 256-token blocks need N = 3
+FAR_CASES = [pytest.param("granite_hybrid", 256, 3, id="mamba2-granite_hybrid"),
+             pytest.param("qwen35", 128, 4, id="gdn-qwen35")]
+
+
+@pytest.mark.parametrize(("model", "block", "count"), FAR_CASES)
+def test_far_state_serves_a_branch_deep_inside_the_prompt(monkeypatch, model, block, count):
+    # B leaves A half a block past A's first far state (VLLM_HYBRID_FAR_CHECKPOINTS): past the
+    # dense tail reach, the first time that prefix is shared
+    monkeypatch.setenv(align.TAIL_CHECKPOINTS_ENV, str(count))
+    prompt = 3000
+    rng = random.Random(12)
+    a = [rng.randrange(3, 500) for _ in range(prompt)]
+    far = align.last_prompt_boundary(prompt, block) - 2 ** count * block
+    assert far in align.far_checkpoints_by_kind(prompt, block, count).values()
+    b = a[: far + block // 2] + [rng.randrange(3, 500) for _ in range(300)]
+    kwargs = {"dtype": ZOO[model].dtype, "max_tokens": MAX_TOKENS, "extra_llm_kwargs": ENGINE,
+              "single_process": True}
+    cached = run_engine(build_model(model), [a, b], enable_prefix_caching=True,
+                        plugins="hybrid_backends", **kwargs)
+    assert f"kv lcm block sizes {block}" in cached.log, "vLLM chose another Mamba block size"
+    plain = run_engine(build_model(model), [a, b], enable_prefix_caching=False, plugins="", **kwargs)
+
+    assert [r.num_cached_tokens for r in cached.requests] == [0, far]
+    for got, want in zip(cached.requests, plain.requests, strict=True):
+        assert_same_greedy(got, want, dtype=ZOO[model].dtype)
+    assert len(set(cached.requests[1].output_token_ids)) > 1
