@@ -47,25 +47,31 @@ def _steps(metrics_text: str) -> int:
     return int(float(match.group(1)))
 
 
-@pytest.mark.parametrize(("model", "block"), CASES)
-def test_tail_state_stored_inside_the_chunk_serves_a_branch(model, block):
-    rng = random.Random(11)
-    a = [rng.randrange(3, 500) for _ in range(PROMPT)]
-    tail = align.last_prompt_boundary(PROMPT, block) - block  # A's tail-1 checkpoint
-    b = a[: tail + block // 2] + [rng.randrange(3, 500) for _ in range(300)]
+def _branch_hits(model: str, block: int, a: list[int], b: list[int], hit: int) -> str:
+    """Run A then B with the plugin and without caching; B must hit ``hit`` tokens and both must
+    decode as without caching. Returns the cached run's metrics text."""
     kwargs = {"dtype": ZOO[model].dtype, "max_tokens": MAX_TOKENS, "extra_llm_kwargs": ENGINE,
               "single_process": True}
     cached = run_engine(build_model(model), [a, b], enable_prefix_caching=True,
                         plugins="hybrid_backends", metrics=True, **kwargs)
     assert f"kv lcm block sizes {block}" in cached.log, "vLLM chose another Mamba block size"
     plain = run_engine(build_model(model), [a, b], enable_prefix_caching=False, plugins="", **kwargs)
-
-    assert [r.num_cached_tokens for r in cached.requests] == [0, tail]
+    assert [r.num_cached_tokens for r in cached.requests] == [0, hit]
     for got, want in zip(cached.requests, plain.requests, strict=True):
         assert_same_greedy(got, want, dtype=ZOO[model].dtype)
     assert len(set(cached.requests[1].output_token_ids)) > 1
+    return cached.metrics_text
+
+
+@pytest.mark.parametrize(("model", "block"), CASES)
+def test_tail_state_stored_inside_the_chunk_serves_a_branch(model, block):
+    rng = random.Random(11)
+    a = [rng.randrange(3, 500) for _ in range(PROMPT)]
+    tail = align.last_prompt_boundary(PROMPT, block) - block  # A's tail-1 checkpoint
+    b = a[: tail + block // 2] + [rng.randrange(3, 500) for _ in range(300)]
+    metrics_text = _branch_hits(model, block, a, b, tail)
     # one prefill step per prompt (a chunk split per tail state would add a step each)
-    assert _steps(cached.metrics_text) == 2 * MAX_TOKENS
+    assert _steps(metrics_text) == 2 * MAX_TOKENS
 
 
 
@@ -86,14 +92,4 @@ def test_far_state_serves_a_branch_deep_inside_the_prompt(monkeypatch, model, bl
     far = align.last_prompt_boundary(prompt, block) - 2 ** count * block
     assert far in align.far_checkpoints_by_kind(prompt, block, count).values()
     b = a[: far + block // 2] + [rng.randrange(3, 500) for _ in range(300)]
-    kwargs = {"dtype": ZOO[model].dtype, "max_tokens": MAX_TOKENS, "extra_llm_kwargs": ENGINE,
-              "single_process": True}
-    cached = run_engine(build_model(model), [a, b], enable_prefix_caching=True,
-                        plugins="hybrid_backends", **kwargs)
-    assert f"kv lcm block sizes {block}" in cached.log, "vLLM chose another Mamba block size"
-    plain = run_engine(build_model(model), [a, b], enable_prefix_caching=False, plugins="", **kwargs)
-
-    assert [r.num_cached_tokens for r in cached.requests] == [0, far]
-    for got, want in zip(cached.requests, plain.requests, strict=True):
-        assert_same_greedy(got, want, dtype=ZOO[model].dtype)
-    assert len(set(cached.requests[1].output_token_ids)) > 1
+    _branch_hits(model, block, a, b, far)
