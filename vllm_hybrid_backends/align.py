@@ -14,11 +14,13 @@ per-request paths then read no environment variable):
   the *third* request of a branch).
 - ``VLLM_HYBRID_FAR_CHECKPOINTS`` (default 1): where tail states are stored inside the chunk,
   also keep states farther back than the tail reach, at doubling distances (``2 ** N``,
-  ``2 ** (N + 1)``, ... blocks before the prompt's last boundary), speculatively: only while
-  the pool has many uncached blocks free, evicted before every other cached block, never
-  split for (kind ``far-<distance>``). A follow-up that branches deep inside an earlier
-  prompt (the second time that prefix is seen: no junction exists yet) resumes from the
-  nearest one instead of from zero.
+  ``2 ** (N + 1)``, ... blocks before the prompt's last boundary), speculatively: only with
+  the ledger (``VLLM_HYBRID_ADAPTIVE_RETENTION``), only from blocks that hold nothing
+  upstream keeps (uncached, or extra states nobody reused) while many of them are free,
+  evicted before every other cached block until reused, never split for (kind
+  ``far-<distance>``). A follow-up that branches deep inside an earlier prompt (the second
+  time that prefix is seen: no junction exists yet) resumes from the nearest one instead of
+  from zero.
 - ``VLLM_HYBRID_DECODE_CHECKPOINTS`` (default 1): keep the Mamba state at every block boundary
   crossed while decoding, so the next turn of a conversation (prompt + output + new message)
   hits past the output (vLLM #50551).
