@@ -391,10 +391,11 @@ _TAKEN_BY_CHECKPOINT = "taken by vLLM's checkpoint"
 
 def _boundary_taken_by_checkpoint(manager: Any, chunk_end: int) -> int:
     """The block boundary whose column vLLM's Mamba2 worker writes its prefill checkpoint to in
-    the chunk ending at ``chunk_end`` (:func:`vllm_hybrid_backends.interior.vllm_checkpoint_column`)
-    when that state is not the boundary's: the checkpoint is the last boundary of the cache-hit alignment below the
-    chunk end, a unit inside the block with a ``prefix_match_unit`` below it, a coarser boundary
-    with a Mamba block finer than the attention block. The plugin must not keep that column as
+    the chunk ending at ``chunk_end``
+    (:func:`vllm_hybrid_backends.interior.vllm_checkpoint_column`) when that state is not the
+    boundary's: the checkpoint is the last boundary of the cache-hit alignment below the chunk
+    end, a unit inside the block with a ``prefix_match_unit`` below it, a coarser boundary with
+    a Mamba block finer than the attention block. The plugin must not keep that column as
     the boundary's state. 0 where there is none (no internal checkpoints, or the alignment is
     the Mamba block)."""
     unit = getattr(manager, "cache_hit_alignment_tokens", 0)
@@ -828,10 +829,11 @@ def _interior_columns(ledger: align.RetentionLedger, manager: Any, request: Any,
     for kind, position in sorted(align.interior_tail_checkpoints_by_kind(
             start, end, request.num_prompt_tokens, size, policy).items(), key=lambda kp: kp[1]):
         column = position // size - 1
-        admitted = not policy.adaptive_retention or ledger.admits(kind, request.request_id)
         if align.is_far(kind):
             found.far[column] = kind
-        elif admitted and (not policy.adaptive_retention or ledger.proven(kind)):
+            continue
+        admitted = not policy.adaptive_retention or ledger.admits(kind, request.request_id)
+        if admitted and (not policy.adaptive_retention or ledger.proven(kind)):
             found.proven.append(column)
         elif admitted:
             found.on_trial.append(column)
@@ -924,9 +926,18 @@ def _roomy_interior(queue: Any, reserved: int,
     planned = [(group, columns) for group, columns in planned if columns]
     if not planned:
         return []
-    limit = reserved + sum(len(columns) for _, columns in planned) + ROOMY_UNCACHED_BLOCKS
-    uncached = _free_at_head(queue, limit, lambda block: block.block_hash is None)
-    return planned if uncached >= limit else []
+    wanted = reserved + sum(len(columns) for _, columns in planned)
+    return planned if _has_room(None, queue, wanted) else []
+
+
+def _has_room(state: CoordinatorState | None, queue: Any, wanted: int) -> bool:
+    """Whether vLLM's free queue still has :data:`ROOMY_UNCACHED_BLOCKS` blocks at its head
+    after ``wanted`` are taken: uncached ones, or with ``state`` (far states) also blocks that
+    hold nothing upstream keeps (:func:`_spare_for_extras`)."""
+    limit = wanted + ROOMY_UNCACHED_BLOCKS
+    if state is None:
+        return _free_at_head(queue, limit, lambda block: block.block_hash is None) >= limit
+    return _spare_for_extras(state, queue, limit) >= limit
 
 
 def _chunk_end_trial(state: CoordinatorState, queue: Any, request: Any, end: int,
@@ -941,12 +952,7 @@ def _chunk_end_trial(state: CoordinatorState, queue: Any, request: Any, end: int
     if kind is None or not policy.adaptive_retention or state.ledger.admits(
             kind, request.request_id):
         return []
-    limit = reserved + ROOMY_UNCACHED_BLOCKS
-    if align.is_far(kind):
-        room = _spare_for_extras(state, queue, limit)
-    else:
-        room = _free_at_head(queue, limit, lambda block: block.block_hash is None)
-    return [kind] if room >= limit else []
+    return [kind] if _has_room(state if align.is_far(kind) else None, queue, reserved) else []
 
 
 def _roomy_far(state: CoordinatorState, queue: Any, reserved: int,
@@ -956,8 +962,8 @@ def _roomy_far(state: CoordinatorState, queue: Any, reserved: int,
     upstream would keep (uncached, or extra states nobody reused: a far state may replace an
     older speculative one, never a prefix or a state vLLM keeps), else none."""
     planned = [(group, columns) for group, columns in planned if columns]
-    limit = reserved + sum(len(columns) for _, columns in planned) + ROOMY_UNCACHED_BLOCKS
-    return planned if _spare_for_extras(state, queue, limit) >= limit else []
+    wanted = reserved + sum(len(columns) for _, columns in planned)
+    return planned if _has_room(state, queue, wanted) else []
 
 
 def _affordable_interior(state: CoordinatorState, block_pool: Any, reserved: int,
