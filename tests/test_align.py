@@ -430,6 +430,91 @@ def test_window_halves_the_counts():
     assert ledger.kept["tail-1"] == (align.RETENTION_WINDOW + 1) // 2
 
 
+def _ledger_with_baseline(saved_per_block: float, hit_lookups: int = 128,
+                          lost_per_lookup: int = 0) -> align.RetentionLedger:
+    """A ledger whose vLLM states (6 blocks each, plus 10 attention blocks) saved
+    ``saved_per_block`` prompt tokens per block held."""
+    ledger = align.RetentionLedger()
+    states = align.VALUE_MIN_SAMPLES
+    for block in range(states):
+        ledger.record_kept(align.VLLM_KIND, block, ("v", block), blocks=6)
+        ledger.record_held(10)
+    for block in range(states):  # (6 + 10) blocks per state
+        ledger.record_hit(block, ("v", block), tokens=int(saved_per_block * 16))
+    for _ in range(hit_lookups):
+        ledger.record_lookup(100, lost_per_lookup)
+    return ledger
+
+
+def _keep_tail_states(ledger: align.RetentionLedger, count: int, hits: int, tokens: int) -> None:
+    for block in range(1000, 1000 + count):
+        ledger.record_kept("tail-1", block, ("t", block), blocks=6)
+    for block in range(1000, 1000 + hits):
+        ledger.record_hit(block, ("t", block), tokens=tokens)
+
+
+def test_value_rule_admits_a_rarely_reused_kind_that_saves_more_per_block_than_vllms_own():
+    kept = align.VALUE_MIN_SAMPLES * 2
+    # one tail state in 16 reused (under the 1-in-8 bar), saving 8,000 tokens each:
+    # 8,000 * 8 / (128 * 6) = 83 tokens per block, against vLLM's 16
+    ledger = _ledger_with_baseline(saved_per_block=16)
+    _keep_tail_states(ledger, kept, kept // 16, 8000)
+    assert ledger.reused["tail-1"] * align.RETENTION_MIN_REUSE < kept
+    assert ledger.earns_blocks("tail-1") and ledger.proven("tail-1")
+    assert ledger.admits("tail-1", "r") and ledger.admits("tail-1", "r-2")
+    assert not ledger.on_probation(1100, ("t", 1100))
+    ledger.compares_value = False  # VLLM_HYBRID_VALUE_RETENTION=0
+    assert not ledger.proven("tail-1") and ledger.on_probation(1100, ("t", 1100))
+    # vLLM's own blocks saving more per block: refused
+    richer = _ledger_with_baseline(saved_per_block=100)
+    _keep_tail_states(richer, kept, kept // 16, 8000)
+    assert not richer.earns_blocks("tail-1") and not richer.proven("tail-1")
+
+
+def test_value_rule_is_off_while_the_cache_is_capacity_bound_or_has_few_samples():
+    kept = align.VALUE_MIN_SAMPLES * 2
+    bound = _ledger_with_baseline(saved_per_block=16, lost_per_lookup=100 // align.VALUE_MAX_LOST + 1)
+    _keep_tail_states(bound, kept, kept // 16, 8000)
+    assert bound.capacity_bound() and not bound.proven("tail-1")
+    roomy = _ledger_with_baseline(saved_per_block=16, lost_per_lookup=100 // align.VALUE_MAX_LOST - 1)
+    _keep_tail_states(roomy, kept, kept // 16, 8000)
+    assert not roomy.capacity_bound() and roomy.proven("tail-1")
+    early = _ledger_with_baseline(saved_per_block=16, hit_lookups=align.VALUE_MIN_SAMPLES - 1)
+    _keep_tail_states(early, kept, kept // 16, 8000)
+    assert early.capacity_bound() and not early.proven("tail-1")
+    few = _ledger_with_baseline(saved_per_block=16)
+    _keep_tail_states(few, align.VALUE_MIN_SAMPLES - 1, 4, 8000)
+    assert not few.earns_blocks("tail-1")
+
+
+def test_a_hit_an_evicted_state_would_have_given_counts_toward_value_not_reuse():
+    ledger = _ledger_with_baseline(saved_per_block=16)
+    kept = align.VALUE_MIN_SAMPLES * 2
+    _keep_tail_states(ledger, kept, 1, 100)  # one real hit, 100 tokens
+    assert not ledger.earns_blocks("tail-1")
+    for block in range(1001, 1001 + kept // 16):  # evicted, prefix still cached
+        ledger.record_lookup(0, 0, ("t", block), 8000)
+        ledger.record_lookup(0, 0, ("t", block), 8000)  # once per state
+    ledger.record_lookup(0, 0, ("t", 1000), 8000)  # already reused: not again
+    ledger.record_lookup(0, 0, ("unknown", 1), 8000)
+    assert ledger.reused["tail-1"] == 1
+    assert ledger.value["tail-1"][0] == 100 + kept // 16 * 8000
+    assert ledger.earns_blocks("tail-1")
+    assert ledger.remembers(("t", 1000)) and not ledger.remembers(("unknown", 1))
+
+
+def test_vllms_own_state_at_a_later_prompts_tail_distance_counts_for_that_kind():
+    ledger = align.RetentionLedger()
+    ledger.record_kept(align.VLLM_KIND, 5, "h5", blocks=3)
+    ledger.record_kept(align.VLLM_KIND, 5, "h5", blocks=3)  # counted once
+    ledger.record_kept("tail-2", 5, "h5", blocks=3)  # a later prompt hit it, two blocks back
+    ledger.record_kept("tail-2", 5, "h5", blocks=3)
+    ledger.record_hit(5, "h5", tokens=40)
+    assert ledger.kept == {align.VLLM_KIND: 1, "tail-2": 1}
+    assert ledger.reused == {align.VLLM_KIND: 0, "tail-2": 1}
+    assert ledger.value["tail-2"] == [40, 3] and ledger.value[align.VLLM_KIND] == [0, 3]
+
+
 def test_chunk_end_skips_tail_checkpoints_of_kinds_not_admitted():
     kinds = align.tail_checkpoints_by_kind(1500, 128, 4)
     assert kinds == {"tail-1": 1280, "tail-2": 1152, "tail-4": 896, "tail-8": 384}

@@ -40,6 +40,12 @@ per-request paths then read no environment variable):
   inside the chunk cost no split: those of a kind not admitted are still kept while the pool
   has many uncached blocks free (on trial, evicted first when released), so a kind whose
   reuse is rare but real (most prompts never come back) keeps earning its record.
+- ``VLLM_HYBRID_VALUE_RETENTION`` (default 1, with adaptive retention): a kind of extra state
+  also earns ordinary LRU treatment when its states save as many prompt tokens per cache block
+  they hold as vLLM's own blocks do (attention and states), counting the hits it would have
+  had where an evicted state's attention prefix was still cached. Off while the cache is
+  capacity-bound (lookups lose more than a quarter as many tokens to evicted prefixes as they
+  hit): there a state's blocks displace prefixes that would have hit.
 - ``VLLM_HYBRID_INTERIOR_STATES`` (default 1): where the Mamba layers' forward can store states
   at block boundaries inside a prefill chunk (:func:`vllm_hybrid_backends.interior.checkpoints`; vLLM-CPU's gated
   delta net and Mamba2 with this plugin), tail checkpoints get a cache block inside the chunk instead of a
@@ -56,6 +62,7 @@ per-request paths then read no environment variable):
 
 from __future__ import annotations
 
+import collections
 import os
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -73,6 +80,7 @@ INTERIOR_STATES_ENV = "VLLM_HYBRID_INTERIOR_STATES"
 DECODE_MAX_STEPS_ENV = "VLLM_HYBRID_DECODE_CHECKPOINT_MAX_STEPS"
 SUBBLOCK_JUNCTIONS_ENV = "VLLM_HYBRID_SUBBLOCK_JUNCTIONS"
 FAR_CHECKPOINTS_ENV = "VLLM_HYBRID_FAR_CHECKPOINTS"
+VALUE_RETENTION_ENV = "VLLM_HYBRID_VALUE_RETENTION"
 DEFAULT_TAIL_CHECKPOINTS = 4
 #: Kinds of extra state: ``tail-<blocks before the last prompt boundary>``, decode, and
 #: ``far-<blocks before the last prompt boundary>`` (past the tail reach, speculative only).
@@ -104,6 +112,8 @@ class AlignPolicy:
     subblock_junctions: bool = True
     #: speculative states past the tail reach, at doubling distances (with ``dense_tails``)
     far_checkpoints: bool = True
+    #: the ledger also admits kinds that save as much per block as vLLM's own blocks
+    value_retention: bool = True
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -154,6 +164,7 @@ def current_policy() -> AlignPolicy:
         interior_states=_flag(INTERIOR_STATES_ENV, True),
         subblock_junctions=_flag(SUBBLOCK_JUNCTIONS_ENV, True),
         far_checkpoints=_flag(FAR_CHECKPOINTS_ENV, True),
+        value_retention=_flag(VALUE_RETENTION_ENV, True),
     )
 
 
@@ -304,11 +315,22 @@ RETENTION_MIN_REUSE = 8
 RETENTION_EXPLORE = 16
 #: Counts are halved past this many kept states, so the estimate follows the workload.
 RETENTION_WINDOW = 512
+#: The value rule waits for this many kept states (of the kind, and of vLLM's own) and prefix
+#: lookups: hits come long after the blocks are spent, so early value is underestimated.
+VALUE_MIN_SAMPLES = 64
+#: The cache is capacity-bound (value rule off) while its lookups lose more than 1 / this as
+#: many prompt tokens to evicted prefixes as they hit.
+VALUE_MAX_LOST = 4
+#: How many states the ledger remembers by hash, after their blocks are gone too.
+RETENTION_MEMORY = 65536
+#: The ledger's kind for the states vLLM keeps itself: the baseline the value rule compares with.
+VLLM_KIND = "vllm"
 
 
-def admits_kind(kept: int, reused: int, request_id: str) -> bool:
-    """Whether a request's extra states of a kind with ``kept``/``reused`` counts are kept."""
-    if kept < RETENTION_WARMUP or reused * RETENTION_MIN_REUSE >= kept:
+def admits_kind(kept: int, reused: int, request_id: str, earns_blocks: bool = False) -> bool:
+    """Whether a request's extra states of a kind with ``kept``/``reused`` counts are kept
+    (``earns_blocks``: the kind passes the ledger's value rule)."""
+    if kept < RETENTION_WARMUP or earns_blocks or reused * RETENTION_MIN_REUSE >= kept:
         return True
     return zlib.crc32(request_id.encode()) % RETENTION_EXPLORE == 0
 
@@ -320,6 +342,11 @@ class RetentionLedger:
     one (``reused``, once per state). A request's admission of a kind is decided on first
     query and stays fixed until the request is freed, so the scheduler (which splits chunks
     for tail states) and the cache (which keeps them) agree.
+
+    A kind is admitted when one state in :data:`RETENTION_MIN_REUSE` is reused or, with
+    ``compares_value``, when its states save as many prompt tokens per block held as vLLM's own
+    blocks do (:meth:`earns_blocks`): on traffic where most prompts never come back, no kind
+    reaches one in eight, vLLM's own states included.
     """
 
     def __init__(self) -> None:
@@ -328,8 +355,18 @@ class RetentionLedger:
         #: the same counts per family of kinds (``tail`` for every ``tail-<distance>``)
         self.family_kept: dict[str, int] = {}
         self.family_reused: dict[str, int] = {}
+        #: per kind and per family: [prompt tokens its hits saved or would have, blocks held];
+        #: the :data:`VLLM_KIND` entry counts vLLM's attention blocks too
+        self.value: dict[str, list[float]] = {}
+        self.family_value: dict[str, list[float]] = {}
+        #: prompt tokens the prefix lookups hit, and lost to evicted prefixes; lookups (windowed)
+        self.lookups: list[float] = [0.0, 0.0, 0.0]
+        #: whether the value rule applies (``AlignPolicy.value_retention``)
+        self.compares_value = True
         self._decisions: dict[str, dict[str, bool]] = {}
         self._states: dict[int, tuple[str, object, bool]] = {}  # block id -> (kind, hash, reused)
+        #: state hash -> [kind, reused], the newest :data:`RETENTION_MEMORY`
+        self._remembered: collections.OrderedDict[object, list] = collections.OrderedDict()
 
     def admits(self, kind: str, request_id: str) -> bool:
         decisions = self._decisions.setdefault(request_id, {})
@@ -338,10 +375,12 @@ class RetentionLedger:
             decision = decisions[kind] = False  # speculative only: kept on trial, never admitted
         if decision is None:
             family = kind.split("-", 1)[0]
-            decision = admits_kind(self.kept.get(kind, 0), self.reused.get(kind, 0), request_id)
+            decision = admits_kind(self.kept.get(kind, 0), self.reused.get(kind, 0), request_id,
+                                   self.earns_blocks(kind))
             if decision and family != kind:  # e.g. every tail distance: the family must pay too
                 decision = admits_kind(self.family_kept.get(family, 0),
-                                       self.family_reused.get(family, 0), request_id)
+                                       self.family_reused.get(family, 0), request_id,
+                                       self.earns_blocks(family, family=True))
             decisions[kind] = decision
         return decision
 
@@ -354,34 +393,101 @@ class RetentionLedger:
         for kind in kinds:
             decisions[kind] = True
 
-    def record_kept(self, kind: str, block_id: int, block_hash: object) -> None:
+    def record_kept(self, kind: str, block_id: int, block_hash: object, blocks: int = 1) -> None:
+        """A state of ``kind`` is cached in block ``block_id``, ``blocks`` blocks in all (one per
+        Mamba group)."""
         entry = self._states.get(block_id)
-        if entry is not None and entry[1] == block_hash:
-            return
+        if entry is not None and entry[1] == block_hash and (entry[0] != VLLM_KIND
+                                                               or kind == VLLM_KIND):
+            return  # counted already
+        # vLLM's own state at this kind's boundary of a later prompt becomes the kind's, as
+        # before vLLM's were recorded (keeping it vLLM's measured mixed: docs/results.md)
         self._states[block_id] = (kind, block_hash, False)
-        for kept, reused, key in ((self.kept, self.reused, kind),
-                                  (self.family_kept, self.family_reused, kind.split("-", 1)[0])):
+        self._remembered[block_hash] = [kind, False]
+        self._remembered.move_to_end(block_hash)
+        if len(self._remembered) > RETENTION_MEMORY:
+            self._remembered.popitem(last=False)
+        family = kind.split("-", 1)[0]
+        for kept, reused, values, key in ((self.kept, self.reused, self.value, kind),
+                                          (self.family_kept, self.family_reused,
+                                           self.family_value, family)):
             kept[key] = kept.get(key, 0) + 1
             reused.setdefault(key, 0)
+            value = values.setdefault(key, [0.0, 0.0])
+            value[1] += blocks
             if kept[key] > RETENTION_WINDOW:
                 kept[key] //= 2
                 reused[key] //= 2
+                value[0] /= 2
+                value[1] /= 2
 
-    def record_hit(self, block_id: int, block_hash: object) -> None:
+    def record_held(self, blocks: int) -> None:
+        """vLLM cached ``blocks`` attention blocks: the baseline's cost beside its states."""
+        self.value.setdefault(VLLM_KIND, [0.0, 0.0])[1] += blocks
+
+    def record_hit(self, block_id: int, block_hash: object, tokens: int = 0) -> None:
+        """A prefix hit of ``tokens`` prompt tokens ends on the state in ``block_id``."""
         entry = self._states.get(block_id)
         if entry is None or entry[1] != block_hash or entry[2]:
             return
         self._states[block_id] = (entry[0], block_hash, True)
+        remembered = self._remembered.get(block_hash)
+        if remembered is not None:
+            remembered[1] = True
+        family = entry[0].split("-", 1)[0]
         self.reused[entry[0]] += 1
-        self.family_reused[entry[0].split("-", 1)[0]] += 1
+        self.family_reused[family] += 1
+        self._count_saving(entry[0], tokens)
+
+    def remembers(self, block_hash: object) -> bool:
+        return block_hash in self._remembered
+
+    def record_lookup(self, hit: int, lost: int, missed: object = None, at: int = 0) -> None:
+        """A prefix lookup hit ``hit`` tokens and lost ``lost`` more to evicted attention
+        blocks; ``missed``: the hash of a remembered state, never reused, whose attention
+        prefix (``at`` tokens) was still cached: it would have saved them, had it been kept."""
+        looked = self.lookups
+        looked[0] += hit
+        looked[1] += lost
+        looked[2] += 1
+        if looked[2] > RETENTION_WINDOW:
+            looked[:] = [looked[0] / 2, looked[1] / 2, looked[2] / 2]
+        remembered = self._remembered.get(missed) if missed is not None else None
+        if remembered is not None and not remembered[1]:
+            remembered[1] = True
+            self._count_saving(remembered[0], at)
+
+    def _count_saving(self, kind: str, tokens: int) -> None:
+        self.value.setdefault(kind, [0.0, 0.0])[0] += tokens
+        self.family_value.setdefault(kind.split("-", 1)[0], [0.0, 0.0])[0] += tokens
+
+    def capacity_bound(self) -> bool:
+        """Whether prefix lookups lose many tokens to evicted prefixes (or too few were seen)."""
+        hit, lost, looked = self.lookups
+        return (looked < VALUE_MIN_SAMPLES or self.kept.get(VLLM_KIND, 0) < VALUE_MIN_SAMPLES
+                or lost * VALUE_MAX_LOST > hit)
+
+    def earns_blocks(self, key: str, family: bool = False) -> bool:
+        """The value rule: the kind (or family) ``key`` saved, per block it held, at least as
+        many prompt tokens as vLLM's own blocks, from enough samples, in a cache that is not
+        capacity-bound."""
+        kept = (self.family_kept if family else self.kept).get(key, 0)
+        value = (self.family_value if family else self.value).get(key)
+        baseline = self.value.get(VLLM_KIND)
+        if (not self.compares_value or kept < VALUE_MIN_SAMPLES or value is None
+                or baseline is None or value[0] <= 0 or baseline[1] <= 0
+                or self.capacity_bound()):
+            return False
+        return value[0] * baseline[1] >= baseline[0] * value[1]
 
     def proven(self, kind: str) -> bool:
-        """Whether a kind's states have earned ordinary LRU treatment (warmed up and reused);
-        never a far kind: its states stay speculative until one is reused."""
+        """Whether a kind's states have earned ordinary LRU treatment (warmed up and reused, or
+        by the value rule); never a far kind: its states stay speculative until one is reused."""
         if is_far(kind):
             return False
         kept = self.kept.get(kind, 0)
-        return kept >= RETENTION_WARMUP and self.reused.get(kind, 0) * RETENTION_MIN_REUSE >= kept
+        return kept >= RETENTION_WARMUP and (
+            self.reused.get(kind, 0) * RETENTION_MIN_REUSE >= kept or self.earns_blocks(kind))
 
     def on_probation(self, block_id: int, block_hash: object) -> bool:
         """A kept extra state, never reused, of a kind not proven: evict it before other
@@ -390,7 +496,7 @@ class RetentionLedger:
         replay agentic, qwen3.5-0.8b, 131,072 tokens: 0.375 against 0.400; docs/results.md.)"""
         entry = self._states.get(block_id)
         return (entry is not None and entry[1] == block_hash and not entry[2]
-                and not self.proven(entry[0]))
+                and entry[0] != VLLM_KIND and not self.proven(entry[0]))
 
     def forget_request(self, request_id: str) -> None:
         self._decisions.pop(request_id, None)

@@ -135,12 +135,33 @@ def summary(totals: dict[str, int]) -> str:
     return "hybrid_backends Mamba states: " + "; ".join(parts)
 
 
-def _group_hashes(block_hashes: Any, hash_block_size: int, block_size: int) -> Any:
+def group_hashes(block_hashes: Any, hash_block_size: int, block_size: int) -> Any:
     if block_size == hash_block_size:
         return block_hashes
     from vllm.v1.core.kv_cache_utils import BlockHashListWithBlockSize
 
     return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)
+
+
+def attention_reach(coordinator: Any, mamba_managers: list[Any], block_hashes: Any, hit: int,
+                    max_length: int) -> int:
+    """How far past ``hit`` (up to ``max_length``) every attention group holds the prefix."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    cached = coordinator.block_pool.cached_block_hash_to_block
+    mamba_ids = {id(m) for m in mamba_managers}
+    reach = max_length
+    for gid, manager in enumerate(coordinator.single_type_managers):
+        if id(manager) in mamba_ids or reach <= hit:
+            continue
+        size = manager.block_size
+        hashes = group_hashes(block_hashes, coordinator.hash_block_size, size)
+        n = hit // size
+        while (n + 1) * size <= reach and n < len(hashes) and cached.get_one_block(
+                make_block_hash_with_group_id(hashes[n], gid)):
+            n += 1
+        reach = min(reach, n * size)
+    return reach
 
 
 def classify_misses(coordinator: Any, mamba_managers: list[Any], block_hashes: Any,
@@ -154,23 +175,12 @@ def classify_misses(coordinator: Any, mamba_managers: list[Any], block_hashes: A
 
     cached = coordinator.block_pool.cached_block_hash_to_block
     hash_size = coordinator.hash_block_size
-    mamba_ids = {id(m) for m in mamba_managers}
-    reach = max_length
-    for gid, manager in enumerate(coordinator.single_type_managers):
-        if id(manager) in mamba_ids or reach <= hit:
-            continue
-        size = manager.block_size
-        hashes = _group_hashes(block_hashes, hash_size, size)
-        n = hit // size
-        while (n + 1) * size <= reach and n < len(hashes) and cached.get_one_block(
-                make_block_hash_with_group_id(hashes[n], gid)):
-            n += 1
-        reach = min(reach, n * size)
+    reach = attention_reach(coordinator, mamba_managers, block_hashes, hit, max_length)
     if reach <= hit or not mamba_managers:
         return {}
     step = mamba_managers[0].block_size
     groups = [(coordinator.single_type_managers.index(m), m.block_size,
-               _group_hashes(block_hashes, hash_size, m.block_size)) for m in mamba_managers]
+               group_hashes(block_hashes, hash_size, m.block_size)) for m in mamba_managers]
     reasons: dict[str, int] = {}
     position = (hit // step + 1) * step
     while position <= reach:

@@ -796,3 +796,36 @@ def test_no_far_state_where_the_pool_has_no_room(monkeypatch):
     room_ignored = run_replay(_deep_branch_trace(), config, get_policy("plugin"))
     assert (tight.requests["b"].hit_tokens, room_ignored.requests["b"].hit_tokens) == (0, 136)
     assert tight.mismatches == [] and room_ignored.mismatches == []
+
+
+def _one_off_prompts_trace(prompts: int = 200, every: int = 10, lag: int = 40) -> Trace:
+    # 83-token prompts that share nothing; one in ``every`` comes back ``lag`` prompts later
+    # leaving it inside its last full block (block 8: the hit is 72 tokens, one block before
+    # the prompt's last boundary, 80: a tail-1 state); no kind is reused 1 in 8
+    requests = []
+    for i in range(prompts):
+        prompt = [10000 * (i + 1) + k for k in range(83)]
+        requests.append(TraceRequest(f"p{i}", prompt, [1] * 2, arrival_s=i * 0.5))
+        if i % every == 0:
+            requests.append(TraceRequest(f"f{i}", prompt[:74] + [7] * 20, [2] * 2,
+                                         arrival_s=(i + lag) * 0.5 + 0.25))
+    return Trace("one-off", sorted(requests, key=lambda r: r.arrival_s))
+
+
+@no_interior_blocks_on_023
+def test_a_rarely_reused_tail_kind_is_kept_when_it_saves_more_per_block_than_vllms_own(monkeypatch):
+    from vllm_hybrid_backends import align
+
+    # 2,000 blocks: the pool fills (trial states on probation are evicted before their
+    # follow-up) but every follow-up still finds its prompt's attention blocks
+    config = _tiny(cache_tokens=16000, max_num_batched_tokens=256)
+    runs = {"upstream": run_replay(_one_off_prompts_trace(), config, get_policy("upstream")),
+            "plugin": run_replay(_one_off_prompts_trace(), config, get_policy("plugin"))}
+    monkeypatch.setenv(align.VALUE_RETENTION_ENV, "0")
+    runs["value rule off"] = run_replay(_one_off_prompts_trace(), config, get_policy("plugin"))
+    hits = {name: sum(r.hit_tokens for key, r in run.requests.items() if key.startswith("f"))
+            for name, run in runs.items()}
+    assert hits["upstream"] == 0 and hits["plugin"] == 20 * 72
+    assert hits["value rule off"] < hits["plugin"] // 2
+    for run in runs.values():
+        assert run.mismatches == [] and run.blocks_leaked == 0

@@ -168,6 +168,8 @@ class CoordinatorState:
     mamba_kinds: frozenset[str] | None = None
     #: Whether the block pool's evictions are counted (``VLLM_HYBRID_STATS``).
     counts_evictions: bool = False
+    #: (blocks per Mamba state, attention blocks per Mamba block), for the ledger's value rule
+    blocks_per_boundary: tuple[int, int] | None = None
     #: (the active policy, that policy as it applies to this model), derived once per policy
     cache_policy: tuple[align.AlignPolicy, align.AlignPolicy] | None = None
 
@@ -436,11 +438,13 @@ def _one_per_block_size(coordinator: Any, managers: list[Any]) -> list[Any]:
 
 def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolicy,
                         memo: dict[Any, Any], first_new: int) -> None:
-    """Record the extra states this ``cache_blocks`` call kept in the ledger; only blocks from
-    ``first_new`` (the request's cached count before the call) on become the request's own,
-    to go on probation when released. A block it got from a cache hit never does: it was kept,
-    or is vLLM's own, before this request came. (The ledger still counts it for the kind:
-    without that, rag qwen3.5-0.8b 2,000,000 fell from 0.2881 to 0.2708.)"""
+    """Record the states this ``cache_blocks`` call kept in the ledger: vLLM's own (kind
+    :data:`align.VLLM_KIND`, with the attention blocks cached beside them: the value rule's
+    baseline) and the extra ones; only blocks from ``first_new`` (the request's cached count
+    before the call) on become the request's own, to go on probation when released. A block
+    it got from a cache hit never does: it was kept, or is vLLM's own, before this request
+    came. (The ledger still counts it for the kind: without that, rag qwen3.5-0.8b 2,000,000
+    fell from 0.2881 to 0.2708.)"""
     managers = _mamba_managers(coordinator)
     if not managers:
         return
@@ -450,6 +454,16 @@ def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolic
     extra = _admitted_boundaries(state.ledger, request, policy, request.num_prompt_tokens, size,
                                  memo)
     blocks = manager.req_to_blocks.get(request.request_id, ())
+    extra_positions = {p for positions in extra.values() for p in positions}
+    state_blocks, attention_blocks = _blocks_per_boundary(coordinator, state)
+    cached = min(manager.num_cached_block.get(request.request_id, 0), len(blocks))
+    state.ledger.record_held(max(0, cached - first_new) * attention_blocks)
+    for index in range(first_new, cached):
+        block = blocks[index]
+        if ((index + 1) * size not in extra_positions and not block.is_null
+                and block.block_hash is not None):
+            state.ledger.record_kept(align.VLLM_KIND, block.block_id, block.block_hash,
+                                     state_blocks)
     for kind, positions in extra.items():
         for position in positions:
             index = position // size - 1
@@ -459,7 +473,7 @@ def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolic
             if block.is_null or block.block_hash is None:
                 continue
             if getattr(block, "block_hash_num_tokens", position) == position:
-                state.ledger.record_kept(kind, block.block_id, block.block_hash)
+                state.ledger.record_kept(kind, block.block_id, block.block_hash, state_blocks)
                 if index < first_new:
                     continue
                 group_blocks = [m.req_to_blocks[request.request_id][index] for m in managers
@@ -467,6 +481,20 @@ def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolic
                                 and index < len(m.req_to_blocks.get(request.request_id, ()))]
                 state.kept_states.setdefault(request.request_id, {})[block.block_id] = (
                     block, block.block_hash, [b for b in group_blocks if not b.is_null])
+
+
+def _blocks_per_boundary(coordinator: Any, state: CoordinatorState) -> tuple[int, int]:
+    """Blocks a Mamba state takes (one per Mamba group of the first group's block size) and
+    attention blocks vLLM caches per Mamba block of prompt; found once."""
+    known = state.blocks_per_boundary
+    if known is None:
+        managers = _mamba_managers(coordinator)
+        size = managers[0].block_size
+        known = state.blocks_per_boundary = (
+            sum(1 for m in managers if m.block_size == size),
+            sum(size // m.block_size for m in coordinator.single_type_managers
+                if not _is_mamba_manager(m)))
+    return known
 
 
 def _release_probation(state: CoordinatorState, block_pool: Any, request_id: str, *,
@@ -600,6 +628,7 @@ def _cache_policy(coordinator: Any, state: CoordinatorState) -> align.AlignPolic
             active, internal_prefill_checkpoints=_internal_prefill_checkpoints(coordinator),
             interior_states=bool(_interior_managers(coordinator)),
             mamba_kinds=_mamba_kinds(coordinator)))
+        state.ledger.compares_value = known[1].adaptive_retention and known[1].value_retention
     return known[1]
 
 
@@ -720,13 +749,42 @@ def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length:
     if result[1] > 0 and managers:
         hit = result[0][self.single_type_managers.index(managers[0])]
         if hit and not hit[-1].is_null and hit[-1].block_hash is not None:
-            state_of(self).ledger.record_hit(hit[-1].block_id, hit[-1].block_hash)
+            state_of(self).ledger.record_hit(hit[-1].block_id, hit[-1].block_hash, result[1])
             if stats.enabled:
                 stats.record_reused(hit[-1])
+    if managers and state_of(self).ledger.compares_value:
+        _record_lookup(self, managers, block_hashes, result[1], max_cache_hit_length)
     if stats.enabled and managers:
         stats.record_misses(stats.classify_misses(self, managers, block_hashes, result[1],
                                                   max_cache_hit_length))
     return result
+
+
+def _record_lookup(self: Any, managers: list[Any], block_hashes: Any, hit: int,
+                   max_length: int) -> None:
+    """Tell the ledger what a prefix lookup lost past its hit: the deepest state it remembers on
+    this prompt's path, and whether the attention blocks up to it are still cached (a hit the
+    state would have given) or not (tokens lost to eviction). Dictionary lookups over the
+    prompt's blocks past the hit, once per lookup."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    ledger = state_of(self).ledger
+    manager = managers[0]
+    group = self.single_type_managers.index(manager)
+    size = manager.block_size
+    hashes = stats.group_hashes(block_hashes, self.hash_block_size, size)
+    reach, lost = -1, 0
+    for n in range(min(max_length // size, len(hashes)), hit // size, -1):
+        key = make_block_hash_with_group_id(hashes[n - 1], group)
+        if not ledger.remembers(key):
+            continue
+        if reach < 0:
+            reach = stats.attention_reach(self, managers, block_hashes, hit, n * size)
+            lost = max(0, n * size - reach)
+        if n * size <= reach:
+            ledger.record_lookup(hit, lost, key, n * size)
+            return
+    ledger.record_lookup(hit, lost)
 
 
 def free(self: Any, request_id: str) -> None:
