@@ -496,6 +496,7 @@ def test_a_hit_an_evicted_state_would_have_given_counts_toward_value_not_reuse()
         ledger.record_lookup(0, 0, ("t", block), 8000)
         ledger.record_lookup(0, 0, ("t", block), 8000)  # once per state
     ledger.record_lookup(0, 0, ("t", 1000), 8000)  # already reused: not again
+    ledger.record_hit(1001, ("t", 1001), tokens=8000)  # credited by a lookup: not again
     ledger.record_lookup(0, 0, ("unknown", 1), 8000)
     assert ledger.reused["tail-1"] == 1
     assert ledger.value["tail-1"][0] == 100 + kept // 16 * 8000
@@ -510,9 +511,10 @@ def test_vllms_own_state_at_a_later_prompts_tail_distance_counts_for_that_kind()
     ledger.record_kept("tail-2", 5, "h5", blocks=3)  # a later prompt hit it, two blocks back
     ledger.record_kept("tail-2", 5, "h5", blocks=3)
     ledger.record_hit(5, "h5", tokens=40)
-    assert ledger.kept == {align.VLLM_KIND: 1, "tail-2": 1}
+    # vLLM's counts give it up: charged once, to the kind
+    assert ledger.kept == {align.VLLM_KIND: 0, "tail-2": 1}
     assert ledger.reused == {align.VLLM_KIND: 0, "tail-2": 1}
-    assert ledger.value["tail-2"] == [40, 3] and ledger.value[align.VLLM_KIND] == [0, 3]
+    assert ledger.value["tail-2"] == [40, 3] and ledger.value[align.VLLM_KIND] == [0, 0]
 
 
 def test_chunk_end_skips_tail_checkpoints_of_kinds_not_admitted():

@@ -365,7 +365,7 @@ class RetentionLedger:
         self.compares_value = True
         self._decisions: dict[str, dict[str, bool]] = {}
         self._states: dict[int, tuple[str, object, bool]] = {}  # block id -> (kind, hash, reused)
-        #: state hash -> [kind, reused], the newest :data:`RETENTION_MEMORY`
+        #: state hash -> [kind, reused, block id], the newest :data:`RETENTION_MEMORY`
         self._remembered: collections.OrderedDict[object, list] = collections.OrderedDict()
 
     def admits(self, kind: str, request_id: str) -> bool:
@@ -400,10 +400,17 @@ class RetentionLedger:
         if entry is not None and entry[1] == block_hash and (entry[0] != VLLM_KIND
                                                                or kind == VLLM_KIND):
             return  # counted already
-        # vLLM's own state at this kind's boundary of a later prompt becomes the kind's, as
-        # before vLLM's were recorded (keeping it vLLM's measured mixed: docs/results.md)
+        if entry is not None and entry[1] == block_hash:
+            # vLLM's own state at this kind's boundary of a later prompt becomes the kind's, as
+            # before vLLM's were recorded (keeping it vLLM's measured mixed: docs/results.md);
+            # vLLM's counts give it up
+            for kept, values, key in ((self.kept, self.value, VLLM_KIND),
+                                      (self.family_kept, self.family_value, VLLM_KIND)):
+                kept[key] = max(0, kept.get(key, 0) - 1)
+                value = values.setdefault(key, [0.0, 0.0])
+                value[1] = max(0.0, value[1] - blocks)
         self._states[block_id] = (kind, block_hash, False)
-        self._remembered[block_hash] = [kind, False]
+        self._remembered[block_hash] = [kind, False, block_id]
         self._remembered.move_to_end(block_hash)
         if len(self._remembered) > RETENTION_MEMORY:
             self._remembered.popitem(last=False)
@@ -421,7 +428,7 @@ class RetentionLedger:
                 value[0] /= 2
                 value[1] /= 2
 
-    def record_held(self, blocks: int) -> None:
+    def record_held(self, blocks: float) -> None:
         """vLLM cached ``blocks`` attention blocks: the baseline's cost beside its states."""
         self.value.setdefault(VLLM_KIND, [0.0, 0.0])[1] += blocks
 
@@ -455,6 +462,9 @@ class RetentionLedger:
         remembered = self._remembered.get(missed) if missed is not None else None
         if remembered is not None and not remembered[1]:
             remembered[1] = True
+            entry = self._states.get(remembered[2])
+            if entry is not None and entry[1] == missed:
+                self._states[remembered[2]] = (entry[0], missed, True)
             self._count_saving(remembered[0], at)
 
     def _count_saving(self, kind: str, tokens: int) -> None:

@@ -169,7 +169,7 @@ class CoordinatorState:
     #: Whether the block pool's evictions are counted (``VLLM_HYBRID_STATS``).
     counts_evictions: bool = False
     #: (blocks per Mamba state, attention blocks per Mamba block), for the ledger's value rule
-    blocks_per_boundary: tuple[int, int] | None = None
+    blocks_per_boundary: tuple[int, float] | None = None
     #: (the active policy, that policy as it applies to this model), derived once per policy
     cache_policy: tuple[align.AlignPolicy, align.AlignPolicy] | None = None
 
@@ -454,16 +454,17 @@ def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolic
     extra = _admitted_boundaries(state.ledger, request, policy, request.num_prompt_tokens, size,
                                  memo)
     blocks = manager.req_to_blocks.get(request.request_id, ())
-    extra_positions = {p for positions in extra.values() for p in positions}
     state_blocks, attention_blocks = _blocks_per_boundary(coordinator, state)
-    cached = min(manager.num_cached_block.get(request.request_id, 0), len(blocks))
-    state.ledger.record_held(max(0, cached - first_new) * attention_blocks)
-    for index in range(first_new, cached):
-        block = blocks[index]
-        if ((index + 1) * size not in extra_positions and not block.is_null
-                and block.block_hash is not None):
-            state.ledger.record_kept(align.VLLM_KIND, block.block_id, block.block_hash,
-                                     state_blocks)
+    if state.ledger.compares_value:
+        extra_positions = {p for positions in extra.values() for p in positions}
+        cached = min(manager.num_cached_block.get(request.request_id, 0), len(blocks))
+        state.ledger.record_held(max(0, cached - first_new) * attention_blocks)
+        for index in range(first_new, cached):
+            block = blocks[index]
+            if ((index + 1) * size not in extra_positions and not block.is_null
+                    and block.block_hash is not None):
+                state.ledger.record_kept(align.VLLM_KIND, block.block_id, block.block_hash,
+                                         state_blocks)
     for kind, positions in extra.items():
         for position in positions:
             index = position // size - 1
@@ -483,7 +484,7 @@ def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolic
                     block, block.block_hash, [b for b in group_blocks if not b.is_null])
 
 
-def _blocks_per_boundary(coordinator: Any, state: CoordinatorState) -> tuple[int, int]:
+def _blocks_per_boundary(coordinator: Any, state: CoordinatorState) -> tuple[int, float]:
     """Blocks a Mamba state takes (one per Mamba group of the first group's block size) and
     attention blocks vLLM caches per Mamba block of prompt; found once."""
     known = state.blocks_per_boundary
@@ -492,7 +493,7 @@ def _blocks_per_boundary(coordinator: Any, state: CoordinatorState) -> tuple[int
         size = managers[0].block_size
         known = state.blocks_per_boundary = (
             sum(1 for m in managers if m.block_size == size),
-            sum(size // m.block_size for m in coordinator.single_type_managers
+            sum(size / m.block_size for m in coordinator.single_type_managers
                 if not _is_mamba_manager(m)))
     return known
 
@@ -782,7 +783,8 @@ def _record_lookup(self: Any, managers: list[Any], block_hashes: Any, hit: int,
             reach = stats.attention_reach(self, managers, block_hashes, hit, n * size)
             lost = max(0, n * size - reach)
         if n * size <= reach:
-            ledger.record_lookup(hit, lost, key, n * size)
+            evicted = self.block_pool.cached_block_hash_to_block.get_one_block(key) is None
+            ledger.record_lookup(hit, lost, key if evicted else None, n * size)
             return
     ledger.record_lookup(hit, lost)
 
