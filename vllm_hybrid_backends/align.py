@@ -397,10 +397,9 @@ class RetentionLedger:
         """A state of ``kind`` is cached in block ``block_id``, ``blocks`` blocks in all (one per
         Mamba group)."""
         entry = self._states.get(block_id)
-        if entry is not None and entry[1] == block_hash and (entry[0] != VLLM_KIND
-                                                               or kind == VLLM_KIND):
-            return  # counted already
         if entry is not None and entry[1] == block_hash:
+            if entry[0] != VLLM_KIND or kind == VLLM_KIND:
+                return  # counted already
             # vLLM's own state at this kind's boundary of a later prompt becomes the kind's, as
             # before vLLM's were recorded (keeping it vLLM's measured mixed: docs/results.md);
             # vLLM's counts give it up
