@@ -12,7 +12,9 @@ real scheduler, upstream and plugin (report.compare_policies, the same runs as `
 leaked block occurs. Rows print to stderr as they finish; ``--json`` prints all of them.
 ``--seeds`` replays each row on workloads drawn with each seed (the generators' ``seed``) and
 ends with one line per row: on how many seeds the plugin was below upstream, and the mean and
-range of plugin - upstream, so a loss can be told from one draw's luck.
+range of plugin - upstream, so a loss can be told from one draw's luck; and on how many the
+plugin computed more prompt tokens than upstream (recomputation after preemption included: the
+hit rate counts a request's first admission only), with the mean ratio.
 ``--prefix-match-unit N`` runs both policies and the bound with vLLM's ``prefix_match_unit``
 (hits at N-token boundaries; N must divide every shape's blocks: 16 divides 544 and 1040),
 and both policies once more at the block (``*_block``, ``*_at_unit``): ``upstream`` and
@@ -68,6 +70,11 @@ def sweep_row(workload: str, shape: str, cache_tokens: int, seed: int = 0,
         "upstream_over_bound": round(upstream / plug.bound_hit_rate, 4)
         if plug.bound_hit_rate else None,
         "preemptions": {"upstream": up.preemptions, "plugin": plug.preemptions},
+        # the work the cache left: prompt tokens computed, recomputation after preemption in
+        "prefill_tokens_computed": {"upstream": up.prefill_tokens_computed,
+                                    "plugin": plug.prefill_tokens_computed},
+        "recomputed_prompt_tokens": {"upstream": up.recomputed_prompt_tokens,
+                                     "plugin": plug.recomputed_prompt_tokens},
         "evictions_mamba": {"upstream": up.evictions_mamba, "plugin": plug.evictions_mamba},
         "state_mismatches": sum(run.state_mismatches for run in runs),
         "blocks_leaked": sum(run.blocks_leaked for run in runs),
@@ -108,13 +115,18 @@ def seed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (workload, shape, capacity): seeds run, seeds with plugin below upstream, and the
     mean, lowest and highest plugin - upstream token hit rate."""
     grouped: dict[tuple[str, str, int], list[float]] = {}
+    computed: dict[tuple[str, str, int], list[float]] = {}
     for row in rows:
         key = (row["workload"], row["model_shape"], row["cache_tokens"])
         grouped.setdefault(key, []).append(row["plugin"] - row["upstream"])
+        work = row["prefill_tokens_computed"]
+        computed.setdefault(key, []).append(work["plugin"] / max(work["upstream"], 1))
     return [{"workload": w, "model_shape": s, "cache_tokens": c, "seeds": len(deltas),
              "below_upstream": sum(d < 0 for d in deltas),
              "mean_delta": round(sum(deltas) / len(deltas), 4),
-             "min_delta": round(min(deltas), 4), "max_delta": round(max(deltas), 4)}
+             "min_delta": round(min(deltas), 4), "max_delta": round(max(deltas), 4),
+             "computes_more_than_upstream": sum(r > 1 for r in computed[(w, s, c)]),
+             "mean_prefill_ratio": round(sum(computed[(w, s, c)]) / len(deltas), 4)}
             for (w, s, c), deltas in grouped.items()]
 
 
@@ -174,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{line['workload']:10s} {line['model_shape']:20s} {line['cache_tokens']:>9,d}"
                   f"  below upstream on {line['below_upstream']} of {line['seeds']} seeds;"
                   f"  plugin - upstream mean {line['mean_delta']:+.4f}"
-                  f" [{line['min_delta']:+.4f}, {line['max_delta']:+.4f}]",
+                  f" [{line['min_delta']:+.4f}, {line['max_delta']:+.4f}];"
+                  f"  computes more prompt tokens on {line['computes_more_than_upstream']};"
+                  f"  plugin / upstream computed, mean {line['mean_prefill_ratio']:.4f}",
                   file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -46,6 +46,10 @@ per-request paths then read no environment variable):
   had where an evicted state's attention prefix was still cached. Off while the cache is
   capacity-bound (lookups lose more than a quarter as many tokens to evicted prefixes as they
   hit): there a state's blocks displace prefixes that would have hit.
+- ``VLLM_HYBRID_RESUME_STATES`` (default 1): when the scheduler preempts a request in the
+  middle of its prefill, keep its Mamba state at the last block boundary it computed (kind
+  ``resume``), so it resumes from there instead of recomputing its prompt from the start (or
+  from its first hit): vLLM frees that state unhashed.
 - ``VLLM_HYBRID_INTERIOR_STATES`` (default 1): where the Mamba layers' forward can store states
   at block boundaries inside a prefill chunk (:func:`vllm_hybrid_backends.interior.checkpoints`; vLLM-CPU's gated
   delta net and Mamba2 with this plugin), tail checkpoints get a cache block inside the chunk instead of a
@@ -81,10 +85,13 @@ DECODE_MAX_STEPS_ENV = "VLLM_HYBRID_DECODE_CHECKPOINT_MAX_STEPS"
 SUBBLOCK_JUNCTIONS_ENV = "VLLM_HYBRID_SUBBLOCK_JUNCTIONS"
 FAR_CHECKPOINTS_ENV = "VLLM_HYBRID_FAR_CHECKPOINTS"
 VALUE_RETENTION_ENV = "VLLM_HYBRID_VALUE_RETENTION"
+RESUME_STATES_ENV = "VLLM_HYBRID_RESUME_STATES"
 DEFAULT_TAIL_CHECKPOINTS = 4
 #: Kinds of extra state: ``tail-<blocks before the last prompt boundary>``, decode, and
 #: ``far-<blocks before the last prompt boundary>`` (past the tail reach, speculative only).
 TAIL, DECODE, FAR = "tail", "decode", "far"
+#: The kind of a preempted request's state at its last computed block boundary.
+RESUME = "resume"
 #: Mamba layer kinds whose decode-end states are off unless ``VLLM_HYBRID_DECODE_CHECKPOINTS``
 #: is set: Mamba2's per-token decode update drifts from its chunked scan well past prefill-path
 #: noise (0.03-0.11 nats against 0.000, docs/decode_states.md); the gated delta net's stays
@@ -114,6 +121,8 @@ class AlignPolicy:
     far_checkpoints: bool = True
     #: the ledger also admits kinds that save as much per block as vLLM's own blocks
     value_retention: bool = True
+    #: keep a preempted prefill's state at its last computed block boundary
+    resume_states: bool = True
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -165,6 +174,7 @@ def current_policy() -> AlignPolicy:
         subblock_junctions=_flag(SUBBLOCK_JUNCTIONS_ENV, True),
         far_checkpoints=_flag(FAR_CHECKPOINTS_ENV, True),
         value_retention=_flag(VALUE_RETENTION_ENV, True),
+        resume_states=_flag(RESUME_STATES_ENV, True),
     )
 
 

@@ -4,8 +4,8 @@ Off unless ``VLLM_HYBRID_STATS=1`` (read when the patches are applied). The engi
 counts, in :data:`COUNTERS`:
 
 - ``kept``: Mamba states hashed (kept in the prefix cache) by kind: ``tail``, ``decode`` and ``far``
-  (the plugin's extra states, :func:`vllm_hybrid_backends.align.retained_boundaries_by_kind`)
-  and ``vllm`` (those vLLM keeps itself: the prompt's replay boundary, junctions);
+  (the plugin's extra states, :func:`vllm_hybrid_backends.align.retained_boundaries_by_kind`),
+  ``resume`` (a preempted prefill's last boundary) and ``vllm`` (those vLLM keeps itself: the prompt's replay boundary, junctions);
 - ``reused``: prefix hits that end on a kept state, by the state's kind;
 - ``evicted``: kept states that vLLM's block pool evicted, by kind;
 - ``missed_tokens``: per lookup, the tokens the attention groups held past the hit that the
@@ -26,7 +26,7 @@ from typing import Any
 
 STATS_ENV = "VLLM_HYBRID_STATS"
 #: Kinds of kept Mamba state.
-KINDS = ("vllm", "tail", "decode", "far")
+KINDS = ("vllm", "tail", "decode", "far", "resume")
 #: Reasons a lookup missed tokens the attention cache held (the replay's chunk reasons).
 MISS_REASONS = ("no_mamba_state_at_boundary", "evicted", "groups_disagreed", "other")
 #: Counter families: name -> (label, label values, help text).

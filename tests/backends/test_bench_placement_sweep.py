@@ -26,17 +26,22 @@ def test_a_bad_seed_is_refused_naming_it():
 
 
 def test_the_seed_summary_counts_the_seeds_below_upstream_per_row():
-    def row(workload, seed, upstream, plugin):
+    def row(workload, seed, upstream, plugin, computed=(100, 100)):
         return {"workload": workload, "model_shape": "nemotron-h-8b", "cache_tokens": 65536,
-                "seed": seed, "upstream": upstream, "plugin": plugin}
+                "seed": seed, "upstream": upstream, "plugin": plugin,
+                "prefill_tokens_computed": dict(zip(("upstream", "plugin"), computed))}
 
-    rows = [row("agentic", 0, 0.30, 0.25), row("agentic", 1, 0.30, 0.40),
-            row("agentic", 2, 0.20, 0.20), row("chat", 0, 0.10, 0.12)]
+    # seed 0 hits less, yet computes fewer prompt tokens (its preempted prefills resumed)
+    rows = [row("agentic", 0, 0.30, 0.25, (100, 90)), row("agentic", 1, 0.30, 0.40, (100, 80)),
+            row("agentic", 2, 0.20, 0.20, (100, 103)), row("chat", 0, 0.10, 0.12)]
     agentic, chat = _module().seed_summary(rows)
     assert (agentic["seeds"], agentic["below_upstream"]) == (3, 1)
     assert (agentic["min_delta"], agentic["max_delta"]) == (-0.05, 0.1)
     assert agentic["mean_delta"] == 0.0167
+    assert agentic["computes_more_than_upstream"] == 1
+    assert agentic["mean_prefill_ratio"] == 0.91
     assert (chat["workload"], chat["seeds"], chat["below_upstream"]) == ("chat", 1, 0)
+    assert (chat["computes_more_than_upstream"], chat["mean_prefill_ratio"]) == (0, 1.0)
 
 
 def test_one_prefix_match_unit_is_taken():

@@ -267,6 +267,31 @@ def test_recomputed_tokens_after_preemption_match_the_scheduler_outputs(monkeypa
         r.prompt_len - r.hit_tokens for r in result.requests.values()) + recomputed_prompt
 
 
+def test_a_preempted_prefill_resumes_from_its_last_boundary_state(monkeypatch):
+    from vllm_hybrid_backends import align, stats
+
+    # A decode that outgrows a tiny pool preempts a long prefill mid-prompt (on a block
+    # boundary: 16-token chunks, 8-token blocks); the prefill comes back once the decode ends.
+    trace = Trace("preempted-prefill", [
+        TraceRequest("decode", list(range(1000, 1016)), [5] * 28),
+        TraceRequest("prefill", list(range(2000, 2080)), [6] * 2, arrival_s=0.05)])
+    config = _tiny(cache_tokens=8 * 20)
+    monkeypatch.setenv(stats.STATS_ENV, "1")
+    runs, counters = {}, {}
+    for resume in ("0", "1"):
+        monkeypatch.setenv(align.RESUME_STATES_ENV, resume)
+        runs[resume] = run_replay(trace, config, get_policy("plugin"))
+        counters[resume] = dict(stats.COUNTERS)
+    off, on = runs["0"], runs["1"]
+    for run in (off, on):
+        assert run.preemptions > 0 and run.mismatches == [] and run.blocks_leaked == 0
+    assert "kept:resume" not in counters["0"]
+    # the preempted prefill came back to the state kept for it (the oracle checked it)
+    assert counters["1"].get("reused:resume", 0) > 0
+    assert on.recomputed_prompt_tokens < off.recomputed_prompt_tokens
+    assert on.prefill_tokens_computed < off.prefill_tokens_computed
+
+
 def test_an_evicted_mamba_state_is_counted_and_attributed_as_evicted():
     # "a" caches a state at its prompt boundary (40); three unrelated prompts then pass
     # through a pool too small to keep it; "b" resends a's prompt and finds the state gone.

