@@ -815,23 +815,31 @@ def keep_resume_state(self: Any, request: Any) -> bool:
     if not align.active_policy().resume_states:
         return False
     managers = _mamba_managers(self)
-    if not managers:
-        return False
+    if not managers or getattr(self, "use_eagle", False) or getattr(self, "eagle_group_ids", None):
+        return False  # EAGLE: hits end a block early, this state would not be reached
     spec = managers[0].kv_cache_spec
     if getattr(spec, "mamba_cache_mode", None) != "align" or spec.num_speculative_blocks:
         return False  # the running state is elsewhere (spec decode) or every state is kept
     size = managers[0].block_size
     position = request.num_computed_tokens
-    if (not 0 < position < request.num_prompt_tokens or position % size
-            or any(m.block_size != size for m in managers)
+    if (not 0 < position < request.num_prompt_tokens
+            or any(m.block_size != size or position % (
+                getattr(m, "cache_hit_alignment_tokens", 0) or size) for m in managers)
             or len(request.block_hashes) * self.block_pool.hash_block_size < position):
-        return False
+        return False  # not a boundary a lookup stops at
     index = position // size - 1
     rows = [m.req_to_blocks.get(request.request_id, ()) for m in managers]
     if any(index >= len(row) or row[index].is_null for row in rows):
         return False
     if all(row[index].block_hash is not None for row in rows):
         return False  # kept already (vLLM's or an extra)
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    hashes = stats.group_hashes(request.block_hashes, self.block_pool.hash_block_size, size)
+    first_group = self.single_type_managers.index(managers[0])
+    if self.block_pool.cached_block_hash_to_block.get_one_block(
+            make_block_hash_with_group_id(hashes[index], first_group)) is not None:
+        return False  # another block holds this state already
     for manager, row in zip(managers, rows):
         if row[index].block_hash is None:
             self.block_pool.cache_full_blocks(request, row, index, index + 1, size,

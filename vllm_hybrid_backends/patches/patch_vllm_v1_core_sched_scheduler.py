@@ -290,8 +290,8 @@ def apply() -> None:
         if vars(owner).get(name) is not wrapper:
             _ORIGINALS[name] = vars(owner)[name]
             setattr(owner, name, wrapper)
-    if vars(cls).get("_preempt_request") is not _preempt_request:
-        _ORIGINALS["_preempt_request"] = vars(cls)["_preempt_request"]
+    if cls._preempt_request is not _preempt_request:
+        _ORIGINALS["_preempt_request"] = cls._preempt_request
         cls._preempt_request = _preempt_request
     current = cls._mamba_block_aligned_split
     if current is _mamba_block_aligned_split:
