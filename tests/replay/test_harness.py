@@ -6,6 +6,7 @@ imported; the full-size default run is exercised by ``test_cli.py``.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +291,33 @@ def test_a_preempted_prefill_resumes_from_its_last_boundary_state(monkeypatch):
     assert counters["1"].get("reused:resume", 0) > 0
     assert on.recomputed_prompt_tokens < off.recomputed_prompt_tokens
     assert on.prefill_tokens_computed < off.prefill_tokens_computed
+
+
+def test_resume_states_stay_exact_over_tiny_pools_and_shared_prefixes(monkeypatch):
+    from vllm_hybrid_backends import stats
+
+    # Decodes that outgrow tiny pools preempt prefills on and off block boundaries; a third
+    # request resends half the preempted prompt. Every replay stays exact and frees every block.
+    monkeypatch.setenv(stats.STATS_ENV, "1")
+    kept = reused = replays = 0
+    for cache_blocks, prompt_len, output_len, shared in itertools.product(
+            (20, 22, 24), (72, 80, 96), (20, 28, 36), (0, 40)):
+        prefix = list(range(3000, 3000 + shared))
+        trace = Trace("preempted-prefills", [
+            TraceRequest("decode", prefix + list(range(1000, 1016)), [5] * output_len),
+            TraceRequest("prefill", prefix + list(range(2000, 2000 + prompt_len)), [6] * 2,
+                         arrival_s=0.05),
+            TraceRequest("resend", prefix + list(range(2000, 2000 + prompt_len // 2)), [7] * 3,
+                         arrival_s=0.4)])
+        try:
+            result = run_replay(trace, _tiny(cache_tokens=8 * cache_blocks), get_policy("plugin"))
+        except ReplayError:
+            continue  # a prompt the pool can never hold
+        replays += 1
+        assert result.mismatches == [] and result.blocks_leaked == 0, (cache_blocks, prompt_len)
+        kept += stats.COUNTERS.get("kept:resume", 0)
+        reused += stats.COUNTERS.get("reused:resume", 0)
+    assert replays >= 30 and kept >= 2 and reused > 0
 
 
 def test_an_evicted_mamba_state_is_counted_and_attributed_as_evicted():
