@@ -2,7 +2,8 @@
 
 Each example is one stream (a handful of requests sharing prefixes, continuing each other,
 arriving at random times) replayed with a random configuration: chunked prefill under small
-token budgets, tiny caches that force preemption, Mamba groups whose block size differs from
+token budgets, tiny caches and tight pools that force preemption (of prefills too, whose
+Mamba state the plugin keeps for the resume), Mamba groups whose block size differs from
 the attention block size, sub-block prefix hits with copy-on-write copies, external computed
 tokens from a fake P/D connector, speculative decoding with random accept patterns, both conv
 layouts and both state kinds (gated delta net; Mamba2 with in-forward prefill checkpoints),
@@ -86,13 +87,17 @@ def streams(draw):
             shared = draw(st.integers(0, 120)) if how != "fresh" else 0
             prompt = pool[:shared] + own
             after = None
-        outputs = _tokens(draw(st.integers(0, 2**16)), draw(st.integers(1, 8)))
+        outputs = _tokens(draw(st.integers(0, 2**16)), draw(st.sampled_from([1, 2, 4, 8, 24, 48])))
         arrival = draw(st.sampled_from([0.0, 0.0, 0.01, 0.05, 0.2]))
         requests.append(TraceRequest(f"r{index}", prompt, outputs, arrival, after))
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests) + spec + 1
     groups = layers.count("mamba") + layers.count("attention")
     need_blocks = groups * (longest // block + 6 + spec)
-    blocks = draw(st.sampled_from([need_blocks, need_blocks + 4, 4 * need_blocks]))
+    # A tight pool (the longest request and little more) preempts running prefills and decodes.
+    tight = (layers.count("attention") * (-(-longest // block) + 2)
+             + layers.count("mamba") * (4 + spec))
+    blocks = draw(st.sampled_from([tight, tight + 2, need_blocks, need_blocks + 4,
+                                   4 * need_blocks]))
     seqs = draw(st.integers(1, 6))
     budget = draw(st.sampled_from([b for b in (8, 16, 24, 64, 256)
                                    if not VLLM_026_ALIGN_LIMITS or b >= block]))
@@ -115,6 +120,8 @@ def streams(draw):
     loads = None
     if not VLLM_026_ALIGN_LIMITS and draw(st.booleans()):  # P/D: prefixes from a remote prefill
         loads = {r.id: draw(st.integers(0, len(r.prompt_token_ids))) for r in requests}
+        if blocks < need_blocks:  # the same upstream crash in a tight pool, GDN alone too
+            config = replace(config, cache_tokens=need_blocks * block)
         if spec or kind == "MAMBA2":
             # External tokens + an extra Mamba block (speculative or checkpoint) in a nearly
             # full pool: vLLM's block accounting comes up one block short (known upstream
