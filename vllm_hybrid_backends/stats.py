@@ -5,7 +5,8 @@ counts, in :data:`COUNTERS`:
 
 - ``kept``: Mamba states hashed (kept in the prefix cache) by kind: ``tail``, ``decode`` and ``far``
   (the plugin's extra states, :func:`vllm_hybrid_backends.align.retained_boundaries_by_kind`),
-  ``resume`` (a preempted prefill's last boundary) and ``vllm`` (those vLLM keeps itself: the prompt's replay boundary, junctions);
+  ``resume`` (a preempted prefill's last boundary) and ``vllm`` (those vLLM keeps itself:
+  the prompt's replay boundary, junctions);
 - ``reused``: prefix hits that end on a kept state, by the state's kind;
 - ``evicted``: kept states that vLLM's block pool evicted, by kind;
 - ``missed_tokens``: per lookup, the tokens the attention groups held past the hit that the

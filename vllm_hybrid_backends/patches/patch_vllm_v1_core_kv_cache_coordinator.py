@@ -32,8 +32,9 @@ finished request's cached prefix from its end, all groups together.
   kept (nor split for, see the scheduler patch). With ``VLLM_HYBRID_VALUE_RETENTION`` the
   ledger also records vLLM's own states and attention blocks, and each lookup (``_record_lookup``)
   the hit an evicted state would have given and the tokens lost to evicted prefixes, so a kind
-  saving as much per block as vLLM's own is kept even when rarely reused. When vLLM hands a kept state back to the pool
-  (align mode does so mid-run, in ``remove_skipped_blocks``, or in ``free``) and it was never
+  saving as much per block as vLLM's own is kept even when rarely reused. When vLLM hands a
+  kept state back to the pool (align mode does so mid-run, in ``remove_skipped_blocks``, or in
+  ``free``) and it was never
   reused and its kind is unproven, it moves in front of every other cached block in vLLM's free
   queue (after the uncached ones), so a snapshot nobody reuses never evicts an attention prefix
   or a state vLLM itself keeps. While the pool still has many uncached blocks free it keeps
