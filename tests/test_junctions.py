@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -64,3 +65,32 @@ def test_nothing_is_wired_for_junctions_before_vllm_032(monkeypatch):
             "_get_local_prefix_cache_hit", "_cache_partial_tail_block"]
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.31.0")
     assert scheduler_patch._junction_targets() == []
+
+
+def test_a_scheduler_subclass_that_replaced_vllms_gets_the_junction_wiring_and_loses_it(monkeypatch):
+    # vllm-ascend replaces vllm.v1.core.sched.scheduler.Scheduler with BalanceScheduler, a
+    # subclass that inherits _get_local_prefix_cache_hit: wrapping must not need the method in
+    # the subclass's own dict, and reverting must leave the subclass inheriting vLLM's again
+    pytest.importorskip("vllm")
+    from vllm_hybrid_backends import compat
+    from vllm_hybrid_backends.patches import patch_vllm_v1_core_sched_scheduler as scheduler_patch
+
+    if not compat.version_allows(">=0.32"):
+        pytest.skip("no junction seams before vLLM 0.32")
+    module = importlib.import_module(scheduler_patch.TARGET_MODULE)
+    vllm_scheduler = module.Scheduler
+    hit_search = vars(vllm_scheduler)["_get_local_prefix_cache_hit"]
+    assert hit_search is not scheduler_patch._get_local_prefix_cache_hit  # not patched already
+    balance = type("BalanceScheduler", (vllm_scheduler,), {})
+    monkeypatch.setattr(module, "Scheduler", balance)
+    assert scheduler_patch.missing() == []
+    scheduler_patch.apply()
+    try:
+        assert vars(balance)["_get_local_prefix_cache_hit"] is scheduler_patch._get_local_prefix_cache_hit
+        assert vars(vllm_scheduler)["_get_local_prefix_cache_hit"] is hit_search  # vLLM's untouched
+        assert scheduler_patch._ORIGINALS["_get_local_prefix_cache_hit"] is hit_search
+        assert scheduler_patch.missing() == []
+    finally:
+        scheduler_patch.revert()
+    assert "_get_local_prefix_cache_hit" not in vars(balance)
+    assert balance._get_local_prefix_cache_hit is hit_search

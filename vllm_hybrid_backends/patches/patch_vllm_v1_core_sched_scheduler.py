@@ -72,6 +72,8 @@ PROCESS = "engine"
 VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 
 _ORIGINALS: dict[str, Any] = {}
+#: Junction methods the patched class inherited (not in its own ``vars``): revert deletes them.
+_INHERITED: set[str] = set()
 #: Free blocks a junction state must leave (:func:`_roomy_for_junction`).
 JUNCTION_SPARE_BLOCKS = 64
 
@@ -102,7 +104,7 @@ def missing() -> list[str]:
     for owner, name, _ in _junction_targets():
         lookup = owner is cls  # the lookup's wrapper passes the rest through
         expected = ("self", "request") if lookup else ("self", "request", "num_tokens")
-        found = signature_problem(_ORIGINALS.get(name, vars(owner)[name]),
+        found = signature_problem(_ORIGINALS.get(name, getattr(owner, name)),
                                   f"{owner.__name__}.{name}", expected, closed=not lookup)
         if found:
             problems.append(found)
@@ -287,8 +289,12 @@ def apply() -> None:
         _ORIGINALS["update_from_output"] = cls.update_from_output
         cls.update_from_output = update_from_output
     for owner, name, wrapper in _junction_targets():
-        if vars(owner).get(name) is not wrapper:
-            _ORIGINALS[name] = vars(owner)[name]
+        if getattr(owner, name) is not wrapper:
+            # a subclass that replaced the module's Scheduler (vllm-ascend's BalanceScheduler)
+            # inherits the method: wrap what it inherits, and remove the wrapper on revert
+            _ORIGINALS[name] = getattr(owner, name)
+            if name not in vars(owner):
+                _INHERITED.add(name)
             setattr(owner, name, wrapper)
     if cls._preempt_request is not _preempt_request:
         _ORIGINALS["_preempt_request"] = cls._preempt_request
@@ -303,7 +309,12 @@ def apply() -> None:
 def revert() -> None:
     for owner, name, _ in _junction_targets():
         if name in _ORIGINALS:
-            setattr(owner, name, _ORIGINALS.pop(name))
+            original = _ORIGINALS.pop(name)
+            if name in _INHERITED:
+                _INHERITED.discard(name)
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
     if "_preempt_request" in _ORIGINALS:
         _scheduler_class()._preempt_request = _ORIGINALS.pop("_preempt_request")
     if "update_from_output" in _ORIGINALS:
