@@ -1,6 +1,7 @@
 """State-copy throughput of every available backend against the copy ceiling of the same device.
 
     .venv/bin/python bench/kernels.py [--json] [--repeats N] [--max-mib M] [--threads T]
+                                      [--backends cuda,cpu]
 
 For each available backend (``doctor`` availability) and each workload below, the states of
 every Mamba layer of a public model are allocated on the backend's device, ``batch`` requests
@@ -153,15 +154,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-mib", type=float, default=1536.0,
                         help="skip batches that move more than this (the buffer is twice as big)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--backends", default=None,
+                        help="comma-separated backend names to time (default: every available one)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.threads < 1:
         parser.error(f"--repeats and --threads must be >= 1, got {args.repeats}, {args.threads}")
+    backends = available_backends()
+    if args.backends is not None:
+        wanted = [name.strip() for name in args.backends.split(",") if name.strip()]
+        names = [name for name, _, _ in backends]
+        unknown = [name for name in wanted if name not in names]
+        if unknown or not wanted:
+            parser.error(f"--backends {args.backends!r}: {', '.join(unknown) or 'no name'} not "
+                         f"available here; available: {', '.join(names)}")
+        backends = [entry for entry in backends if entry[0] in wanted]
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     results: list[dict[str, object]] = []
     skipped: list[dict[str, Any]] = []
     devices: set[str] = set()
-    for name, device, copy in available_backends():
+    for name, device, copy in backends:
         devices.add(str(device))
         for workload in WORKLOADS:
             for batch in BATCHES:

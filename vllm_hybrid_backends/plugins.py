@@ -257,18 +257,19 @@ def copy_state_blocks(states: Sequence[MambaStateTensor], src_blocks: Any, dst_b
     _check_states(states, src_blocks.shape[0])
     if dst_blocks.device.type == "cpu":
         for group, row in enumerate(dst_blocks.tolist()):
-            seen: set[int] = set()
-            for block in row:
-                if block in seen:
-                    raise ValueError(
-                        f"dst_blocks[{group}] lists block {block} twice; each destination may "
-                        "be written once per call"
-                    )
-                seen.add(block)
+            if len(set(row)) != len(row):
+                block = next(b for b in row if row.count(b) > 1)
+                raise ValueError(
+                    f"dst_blocks[{group}] lists block {block} twice; each destination may "
+                    "be written once per call"
+                )
+    smallest: dict[int, int] = {}  # per group: the fewest blocks of any of its states
     for state in states:
         blocks = state.tensor.shape[0]
-        _check_blocks_in_range("src_blocks", src_blocks[state.group], blocks)
-        _check_blocks_in_range("dst_blocks", dst_blocks[state.group], blocks)
+        smallest[state.group] = min(blocks, smallest.get(state.group, blocks))
+    for group, blocks in smallest.items():
+        _check_blocks_in_range("src_blocks", src_blocks[group], blocks)
+        _check_blocks_in_range("dst_blocks", dst_blocks[group], blocks)
     if src_blocks.shape[1] == 0 or not states:
         return
     _implementation("hb_copy_state_blocks")(states=states, src_blocks=src_blocks, dst_blocks=dst_blocks)

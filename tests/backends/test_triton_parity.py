@@ -178,6 +178,52 @@ def test_precopy_matches_reference(backend, dtype, conv_kind, rng):
     )
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_launch_layouts_are_built_once_per_states_and_dropped_with_them(backend, interpreted_kernels,
+                                                                        monkeypatch, rng):
+    # vLLM passes the same state objects every step: the launch layout (segment tables) is built
+    # on the first step and reused with each step's moves; a dead state's layout must go, or a
+    # new state that reuses its id would be written through the old tensor's addresses
+    kernels = interpreted_kernels
+    builds = []
+    compile_launches = kernels._compile_launches
+    monkeypatch.setattr(kernels, "_compile_launches",
+                        lambda *args: builds.append(1) or compile_launches(*args))
+    specs = [(StateKind.CONV_SD, (4, 33), 0), (StateKind.TEMPORAL, (3, 5), 0),
+             (StateKind.CONV_DS, (17, 4), 1), (StateKind.TEMPORAL, (6,), 1)]
+    num_reqs, width, num_blocks = 6, 5, 64
+    ours = random_states(rng, torch.float16, specs, num_blocks)
+    theirs = clone_states(ours)
+    for _ in range(3):  # fresh moves every step, same state objects
+        tables = _request_tables(rng, 2, num_reqs, width, num_blocks)
+        src_cols = torch.randint(-1, width - 1, (num_reqs,), generator=rng)
+        dst_cols = (src_cols + torch.randint(0, 2, (num_reqs,), generator=rng)).clamp(0, width - 1)
+        bias = torch.randint(0, 4, (num_reqs,), generator=rng)
+        backend.hb_precopy_running_states(states=ours, block_tables=tables, src_cols=src_cols,
+                                          dst_cols=dst_cols, token_bias=bias)
+        reference.precopy_running_states(theirs, tables, src_cols, dst_cols, bias)
+        order = torch.randperm(num_blocks, generator=rng)
+        src, dst = order[:8].view(2, 4), order[8:16].view(2, 4)
+        backend.hb_copy_state_blocks(states=ours, src_blocks=src, dst_blocks=dst)
+        reference.copy_state_blocks(theirs, src, dst)
+        for mine, ref in zip(ours, theirs):
+            assert_same_bits(mine.tensor, ref.tensor, mine.layer)
+    assert len(builds) == 2  # one layout for the row moves, one for the block copies
+    # a tensor whose storage is swapped in place (same objects, new addresses): laid out again
+    ours[1].tensor.set_(ours[1].tensor.clone())
+    order = torch.randperm(num_blocks, generator=rng)
+    src, dst = order[:8].view(2, 4), order[8:16].view(2, 4)
+    backend.hb_copy_state_blocks(states=ours, src_blocks=src, dst_blocks=dst)
+    reference.copy_state_blocks(theirs, src, dst)
+    for mine, ref in zip(ours, theirs):
+        assert_same_bits(mine.tensor, ref.tensor, mine.layer)
+    assert len(builds) == 3
+    ids = tuple(map(id, ours))
+    assert sum(key[3] == ids for key in kernels._layouts) == 3
+    del ours
+    assert not [key for key in kernels._layouts if key[3] == ids]
+
+
 # ---- hb_postprocess_accepted_states -----------------------------------------------------------
 
 

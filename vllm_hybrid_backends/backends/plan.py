@@ -37,27 +37,28 @@ class RowMoves:
         return self.temporal_src[state.group], self.temporal_dst[state.group]
 
 
-def _lookup(table: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """``table[r, cols[r]]``, ``-1`` where the column is outside the table."""
-    width = table.shape[1]
+def _lookup(tables: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``tables[g, r, cols[k, r]]`` as ``[g, r, k]``, ``-1`` where a column is outside the table."""
+    groups, rows, width = tables.shape
     if width == 0:
-        return torch.full_like(cols, -1)
-    picked = torch.gather(table.long(), 1, cols.clamp(0, width - 1)[:, None]).squeeze(1)
-    return torch.where((cols >= 0) & (cols < width), picked, -1)
+        return torch.full((groups, rows, cols.shape[0]), -1, dtype=torch.long, device=cols.device)
+    inside = cols.clamp(0, width - 1)
+    picked = torch.gather(tables, 2, inside.T.expand(groups, rows, -1))
+    return torch.where((inside == cols).T, picked, -1)
 
 
 def _row_moves(block_tables: Sequence[torch.Tensor], active: torch.Tensor, src_cols: torch.Tensor,
                dst_cols: torch.Tensor, shift: torch.Tensor) -> RowMoves:
-    moves: list[list[torch.Tensor]] = [[], [], [], []]
-    for table in block_tables:
-        conv, temporal, dst = (_lookup(table, src_cols), _lookup(table, src_cols + shift),
-                               _lookup(table, dst_cols))
-        moving = active & (dst >= 0)
-        for at, value in enumerate((conv, torch.where(moving & (conv >= 0), dst, -1),
-                                    temporal, torch.where(moving & (temporal >= 0), dst, -1))):
-            moves[at].append(value)
-    conv_src, conv_dst, temporal_src, temporal_dst = (torch.stack(m) for m in moves)
-    return RowMoves(conv_src, conv_dst, temporal_src, temporal_dst, shift)
+    cols = torch.stack([src_cols, src_cols + shift, dst_cols])  # conv, temporal source; destination
+    tables = [t[: cols.shape[1]] for t in block_tables]  # a row per request (extra rows unused)
+    if len({(t.shape, t.dtype) for t in tables}) == 1:  # vLLM's groups: one op for all
+        found = _lookup(torch.stack(tables).long(), cols)
+    else:
+        found = torch.cat([_lookup(t.long()[None], cols) for t in tables])
+    sources, dst = found[..., :2], found[..., 2:]
+    # a row moves a state when it is active, has a destination and that state has a source
+    dsts = torch.where((sources >= 0) & (dst >= 0) & active[:, None], dst, -1)
+    return RowMoves(sources[..., 0], dsts[..., 0], sources[..., 1], dsts[..., 1], shift)
 
 
 def _on(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -69,8 +70,8 @@ def precopy_moves(block_tables: Sequence[torch.Tensor], src_cols: torch.Tensor,
     """``hb_precopy_running_states``: a row moves when it has a previous column and it is not
     the same column with no bias."""
     src, dst, bias = _on(block_tables[0].device, src_cols, dst_cols, token_bias)
-    active = (src >= 0) & ~((src == dst) & (bias == 0))
-    return _row_moves(block_tables, active, src, dst, torch.where(active, bias, 0))
+    active = (src >= 0) & ((src != dst) | (bias != 0))
+    return _row_moves(block_tables, active, src, dst, bias * active)
 
 
 def postprocess_moves(block_tables: Sequence[torch.Tensor], running_cols: torch.Tensor,

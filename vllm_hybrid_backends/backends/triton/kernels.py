@@ -28,9 +28,12 @@ How the work is laid out (the same for every hook):
     program per channel tile that loads the whole window, waits at a barrier, then stores:
     reads and writes of different programs never touch the same bytes (vLLM #50729 was a race
     between overlapping same-block copies).
-- Block ids and counts are read on the host once per call. The V1 copy patch passes host
-  tensors; a device-resident index tensor costs one host sync per call, which snapshot semantics
-  forces (which blocks are both read and written decides the staging and its buffer size).
+- Host work per call is kept small: the segment tables of a list of states are laid out once
+  (:func:`_cached_launches`; vLLM passes the same states every step) and each call only adds
+  its items; the tables and any host items travel to the device in one pinned copy.
+- ``hb_copy_state_blocks`` reads its block ids on the host (the V1 copy patch passes host
+  tensors; snapshot semantics needs them there: which blocks are both read and written decides
+  the staging). The per-step hooks take their plan from :mod:`..plan`, on the device.
 
 ``TRITON_INTERPRET=1`` set before this module is imported makes the kernels run on CPU tensors
 (the parity tests do this); without it they need CUDA/HIP tensors.
@@ -40,7 +43,8 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Sequence
+import weakref
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +84,8 @@ _ITEM0 = tl.constexpr(10)
 _TILES = tl.constexpr(11)
 _PROG0 = tl.constexpr(12)
 _MODE = tl.constexpr(13)
-_NUM_FIELDS = 14
+_SHIFT_MUL = tl.constexpr(14)  # words per token of a window segment's shift (1 unless DS splits a token)
+_NUM_FIELDS = 15
 
 MODE_FLAT = 0  # whole blocks: `channels` words from each block's start
 MODE_WINDOW = 1  # conv window: tokens [shift, L) -> [0, L - shift), every channel
@@ -137,7 +142,7 @@ def _state_copy_kernel(
     tile = local % tiles
     src_block = tl.load(items + item)
     dst_block = tl.load(items + num_items + item)
-    shift = tl.load(items + 2 * num_items + item)
+    shift = tl.load(items + 2 * num_items + item) * tl.load(row + _SHIFT_MUL * num_segments)
     src_at = tl.load(row + _SRC_BASE * num_segments) + src_block * tl.load(row + _SRC_BLOCK * num_segments)
     dst_at = tl.load(row + _DST_BASE * num_segments) + dst_block * tl.load(row + _DST_BLOCK * num_segments)
     # a row the plan does not move (dst -1) copies nothing
@@ -417,9 +422,12 @@ def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _item_table(items: list[tuple[int, int, int]]) -> torch.Tensor:
-    """Host item list -> int64 ``[3, n]``."""
-    return torch.tensor(items, dtype=torch.int64).reshape(-1, 3).T
+def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; a host tensor goes through pinned memory, so the copy is
+    queued without waiting for the device."""
+    if tensor.device == device or device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _block_bytes(state: MambaStateTensor) -> int:
@@ -461,8 +469,7 @@ def _check_unique_destinations(ids: Sequence[int], group: int, what: str) -> Non
 @dataclass
 class _Segment:
     fields: list[int]  # the _NUM_FIELDS values; bases are byte addresses until launch
-    items: torch.Tensor  # int64 [fields, n] on the host or the device: copies (source, destination,
-    # shift); checkpoints 5 fields
+    key: Hashable  # which items (source, destination, shift) the segment reads: see _run_launches
     word: int  # bytes per element moved (copies); element size of the state (checkpoints)
     window_tokens: int = 0  # L of a window segment (sizes the tile)
     aligned: bool | None = None  # flat segments: every access 16-byte aligned; windows: None
@@ -478,8 +485,6 @@ def _launch_groups(segments: Sequence[_Segment], key: Any) -> dict[tuple[Any, bo
     flat: dict[tuple[Any, bool], list[_Segment]] = {}
     windows: dict[Any, list[_Segment]] = {}
     for segment in segments:
-        if segment.items.shape[1] == 0:
-            continue
         if segment.aligned is None:
             windows.setdefault(key(segment), []).append(segment)
         else:
@@ -537,111 +542,212 @@ def _layout(state: MambaStateTensor) -> tuple[int, int, int, int, int]:
 
 
 def _flat_segment(src_base: int, src_block: int, dst_base: int, dst_block: int, nbytes: int,
-                  items: torch.Tensor) -> _Segment:
+                  key: Hashable) -> _Segment:
     word = _widest_word(src_base, src_block, dst_base, dst_block, nbytes)
     fields = [src_base, src_block // word, 0, 1, dst_base, dst_block // word, 0, 1,
-              1, nbytes // word, 0, 0, 0, MODE_FLAT]
-    return _Segment(fields, items, word,
+              1, nbytes // word, 0, 0, 0, MODE_FLAT, 1]
+    return _Segment(fields, key, word,
                     aligned=_aligned16(src_base, src_block, dst_base, dst_block, nbytes))
 
 
 def _window_segment(state: MambaStateTensor, src_base: int, src_block: int, dst_base: int,
-                    items: torch.Tensor) -> _Segment:
+                    key: Hashable) -> _Segment:
     """Shifted conv-window copies; source may be a staged (contiguous) copy of the blocks."""
     base, block, tok, chan, length = _layout(state)
     size = state.tensor.element_size()
     dim = state.tensor.shape[2] if state.kind is StateKind.CONV_SD else state.tensor.shape[1]
     if chan == size:  # channels contiguous (SD): several channels may share one word
         word = _widest_word(src_base, src_block, dst_base, block, tok, dim * size)
-        channels, chan_words, tokens, tok_words = dim * size // word, 1, length, tok // word
+        channels, chan_words, tokens, tok_words, per_token = dim * size // word, 1, length, tok // word, 1
     else:  # tokens contiguous (DS): a token is size // word words
         word = _widest_word(src_base, src_block, dst_base, block, chan, size)
         per_token = size // word
         channels, chan_words, tokens, tok_words = dim, chan // word, length * per_token, 1
-        items = torch.stack([items[0], items[1], items[2] * per_token])
     fields = [src_base, src_block // word, tok_words, chan_words, dst_base, block // word,
-              tok_words, chan_words, tokens, channels, 0, 0, 0, MODE_WINDOW]
-    return _Segment(fields, items, word, window_tokens=tokens)
+              tok_words, chan_words, tokens, channels, 0, 0, 0, MODE_WINDOW, per_token]
+    return _Segment(fields, key, word, window_tokens=tokens)
 
 
-def _launch_copies(segments: list[_Segment], tuning: LaunchTuning, device: torch.device) -> None:
+@dataclass
+class _Launch:
+    """One launch of the copy kernel, laid out once: its segments' fields (bases as offsets from
+    ``anchor``), tiles per item and item keys; :func:`_run_launches` adds the items."""
+
+    anchor: torch.Tensor
+    table: list[int]  # field-major segment table; the _ITEM0 and _PROG0 rows are set per call
+    tiles: list[int]
+    keys: list[Hashable]
+    meta: dict[str, int]  # constexprs and launch options
+
+
+def _compile_launches(segments: list[_Segment], tuning: LaunchTuning,
+                      device: torch.device) -> list[_Launch]:
     """One launch per (word size, vector width) over all segments: usually one in all."""
     groups = _launch_groups(segments, lambda s: s.word)
+    launches = []
     for word, aligned in sorted(groups, reverse=True):
         group = groups[(word, aligned)]
-        vec = 16 // word if aligned else 1
         anchor = _anchor(device, word)
         flat_block = _pow2_at_most(max(tuning.flat_step_bytes // word, tuning.lanes_per_warp))
         flat_tile = flat_block * tuning.flat_steps
         win_t = _pow2_at_least(max((s.window_tokens for s in group), default=1))
         win_c = _pow2_at_most(max(tuning.window_tile_bytes // (win_t * word), 16))
-        columns: list[list[int]] = []
-        items: list[torch.Tensor] = []
-        placed: dict[int, int] = {}  # item lists are shared by the states of a group: stored once
-        programs = num_items = 0
+        columns, tiles = [], []
         for segment in group:
             fields = list(segment.fields)
             for at in (_SRC_BASE.value, _DST_BASE.value):
                 fields[at] = _offset_from(anchor, fields[at], word)
             per_tile = flat_tile if fields[_MODE.value] == MODE_FLAT else win_c
-            tiles = max(1, -(-fields[_CHANNELS.value] // per_tile))
-            count = segment.items.shape[1]
-            if id(segment.items) not in placed:
-                placed[id(segment.items)] = num_items
-                items.append(segment.items.to(device, torch.int64, non_blocking=True))
-                num_items += count
-            fields[_ITEM0.value], fields[_TILES.value] = placed[id(segment.items)], tiles
-            fields[_PROG0.value] = programs
-            programs += tiles * count
+            fields[_TILES.value] = max(1, -(-fields[_CHANNELS.value] // per_tile))
             columns.append(fields)
-        num_segments = len(columns)
-        table = _device_ints([value for f in range(_NUM_FIELDS) for value in (col[f] for col in columns)],
-                             device)
-        item_table = torch.cat(items, dim=1).reshape(-1)  # field-major: sources, destinations, shifts
-        _state_copy_kernel[(programs,)](
-            anchor, table, item_table, num_segments, num_items,
-            VEC=vec, SEG_P2=_pow2_at_least(num_segments, 16),
+            tiles.append(fields[_TILES.value])
+        table = [value for f in range(_NUM_FIELDS) for value in (col[f] for col in columns)]
+        launches.append(_Launch(anchor, table, tiles, [s.key for s in group], dict(
+            VEC=16 // word if aligned else 1, SEG_P2=_pow2_at_least(len(columns), 16),
             FLAT_BLOCK=flat_block, FLAT_STEPS=tuning.flat_steps, WIN_T=win_t, WIN_C=win_c,
-            num_warps=tuning.num_warps, num_stages=tuning.num_stages,
-        )
+            num_warps=tuning.num_warps, num_stages=tuning.num_stages)))
+    return launches
+
+
+def _run_launches(launches: list[_Launch], items: torch.Tensor,
+                  spans: dict[Hashable, tuple[int, int]], device: torch.device) -> None:
+    """Launch ``launches`` over ``items`` (int64 ``[3, N]``: sources, destinations, shifts, on the
+    host or ``device``); a segment reads the items ``spans[key] = (first, count)``, none if its
+    key is absent. Every segment table and host item goes to the device in one copy."""
+    flat: list[int] = []
+    runs = []
+    for launch in launches:
+        firsts, starts, programs = [], [], 0
+        for tiles, key in zip(launch.tiles, launch.keys):
+            first, count = spans.get(key, (0, 0))
+            firsts.append(first)
+            starts.append(programs)
+            programs += tiles * count
+        if programs:
+            n = len(firsts)
+            runs.append((launch, len(flat), n, programs))
+            static = launch.table
+            flat += static[: _ITEM0.value * n]
+            flat += firsts
+            flat += static[(_ITEM0.value + 1) * n: _PROG0.value * n]
+            flat += starts
+            flat += static[(_PROG0.value + 1) * n:]
+    if not runs:
+        return
+    if items.device.type == "cpu":
+        packed = _on_device(torch.cat([torch.tensor(flat, dtype=torch.int64), items.reshape(-1)]),
+                            device)
+        tables, item_words = packed[: len(flat)], packed[len(flat):]
+    else:
+        tables = _device_ints(flat, device)
+        item_words = items.to(device=device, dtype=torch.int64).reshape(-1)
+    for launch, at, num_segments, programs in runs:
+        _state_copy_kernel[(programs,)](
+            launch.anchor, tables[at: at + _NUM_FIELDS * num_segments], item_words, num_segments,
+            items.shape[1], **launch.meta)
         launch_counts["state_copy"] += 1
 
 
-def _run_moves(jobs: list[tuple[MambaStateTensor, _MovePlan]], tuning: LaunchTuning) -> None:
+_LAYOUT_CACHE_SIZE = 32
+_layouts: dict[tuple[Any, ...], tuple[list[weakref.ref[MambaStateTensor]], list[_Launch]]] = {}
+
+
+def _cached_launches(kind: str, states: Sequence[MambaStateTensor], tuning: LaunchTuning,
+                     build: Any) -> list[_Launch]:
+    """``build()``'s launches for these state objects, built once: vLLM passes the same states
+    every step, and a state (frozen) keeps its tensor. An entry is dropped when one of its
+    states dies, so ids in a key are never another object's."""
+    device = INTERPRETED or triton.runtime.driver.active.get_current_device()
+    # the tensors' addresses too: a tensor's storage can be swapped in place (``set_``)
+    key = (kind, tuning, device, tuple(map(id, states)),
+           tuple(state.tensor.data_ptr() for state in states))
+    hit = _layouts.get(key)
+    if hit is not None:
+        return hit[1]
+    launches = build()
+    if len(_layouts) >= _LAYOUT_CACHE_SIZE:
+        _layouts.pop(next(iter(_layouts)), None)
+
+    def drop(_: object) -> None:
+        _layouts.pop(key, None)
+
+    _layouts[key] = ([weakref.ref(state, drop) for state in states], launches)
+    return launches
+
+
+def _check_states(states: Sequence[MambaStateTensor]) -> None:
+    for state in states:
+        _check_device(state.tensor, f"state {state.layer or '?'}")
+        _check_contiguous_blocks(state)
+
+
+def _host_items(lists: dict[Hashable, list[tuple[int, int, int]]]
+                ) -> tuple[torch.Tensor, dict[Hashable, tuple[int, int]]]:
+    """Host item lists -> one int64 ``[3, N]`` tensor and each key's span in it."""
+    spans, rows, first = {}, [], 0
+    for key, moves in lists.items():
+        if moves:
+            spans[key] = (first, len(moves))
+            rows.extend(moves)
+            first += len(moves)
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).T, spans
+
+
+def _run_moves(states: Sequence[MambaStateTensor], plans: dict[int, _MovePlan],
+               tuning: LaunchTuning) -> None:
     """Perform every planned move (see :func:`_plan_moves`): the staging launch, if any, then
-    one launch for everything else."""
-    jobs = [(state, moves) for state, moves in jobs if moves.highest >= 0]
+    one launch for everything else. Without staging the launches are laid out once."""
+    jobs = [(state, plans[state.group]) for state in states if plans[state.group].highest >= 0]
     if not jobs:
         return
     device = jobs[0][0].tensor.device
     for state, moves in jobs:
-        _check_device(state.tensor, f"state {state.layer or '?'}")
-        _check_contiguous_blocks(state)
         _check_block_ids((moves.lowest, moves.highest), state, "a move")
+    if not any(moves.staging or moves.direct_window for moves in plans.values()):
+        def build() -> list[_Launch]:
+            _check_states([state for state, _ in jobs])
+            return _compile_launches([_copy_segment(state, ("direct", state.group))
+                                      for state, _ in jobs], tuning, device)
+
+        items, spans = _host_items({("direct", g): moves.direct_flat for g, moves in plans.items()})
+        _run_launches(_cached_launches("copy", [state for state, _ in jobs], tuning, build),
+                      items, spans, device)
+        return
+    _check_states([state for state, _ in jobs])
     pitches = [-(-_block_bytes(state) // 16) * 16 for state, _ in jobs]
     total = sum(len(moves.staging) * pitch for (_, moves), pitch in zip(jobs, pitches))
-    scratch = torch.empty(total, dtype=torch.uint8, device=device) if total else None
+    scratch = torch.empty(total, dtype=torch.uint8, device=device)
     staging: list[_Segment] = []
     main: list[_Segment] = []
     offset = 0
     for (state, moves), pitch in zip(jobs, pitches):
         base, block, *_ = _layout(state)
         nbytes = _block_bytes(state)
-        main.append(_flat_segment(base, block, base, block, nbytes, _item_table(moves.direct_flat)))
+        main.append(_flat_segment(base, block, base, block, nbytes, ("direct", state.group)))
         if moves.direct_window:
-            main.append(_window_segment(state, base, block, base, _item_table(moves.direct_window)))
+            main.append(_window_segment(state, base, block, base, ("direct_window", state.group)))
         if moves.staging:
-            assert scratch is not None
             staged = scratch.data_ptr() + offset
             offset += len(moves.staging) * pitch
-            staging.append(_flat_segment(base, block, staged, pitch, nbytes, _item_table(moves.staging)))
-            main.append(_flat_segment(staged, pitch, base, block, nbytes, _item_table(moves.staged_flat)))
+            staging.append(_flat_segment(base, block, staged, pitch, nbytes, ("staging", state.group)))
+            main.append(_flat_segment(staged, pitch, base, block, nbytes, ("staged", state.group)))
             if moves.staged_window:
-                main.append(_window_segment(state, staged, pitch, base, _item_table(moves.staged_window)))
-    if staging:
-        _launch_copies(staging, tuning, device)
-    _launch_copies(main, tuning, device)
+                main.append(_window_segment(state, staged, pitch, base,
+                                            ("staged_window", state.group)))
+    lists: dict[Hashable, list[tuple[int, int, int]]] = {}
+    for g, moves in plans.items():
+        lists.update({("direct", g): moves.direct_flat, ("direct_window", g): moves.direct_window,
+                      ("staging", g): moves.staging, ("staged", g): moves.staged_flat,
+                      ("staged_window", g): moves.staged_window})
+    items, spans = _host_items(lists)
+    _run_launches(_compile_launches(staging, tuning, device), items, spans, device)
+    _run_launches(_compile_launches(main, tuning, device), items, spans, device)
     del scratch  # the caching allocator keeps it valid for the launches queued on this stream
+
+
+def _copy_segment(state: MambaStateTensor, key: Hashable) -> _Segment:
+    base, block, *_ = _layout(state)
+    return _flat_segment(base, block, base, block, _block_bytes(state), key)
 
 
 def copy_state_blocks(states: Sequence[MambaStateTensor], src_blocks: torch.Tensor,
@@ -655,7 +761,7 @@ def copy_state_blocks(states: Sequence[MambaStateTensor], src_blocks: torch.Tens
         if state.group not in plans:
             src, dst = src_rows[state.group], dst_rows[state.group]
             plans[state.group] = _plan_moves(src, dst, [0] * len(src))
-    _run_moves([(state, plans[state.group]) for state in states], tuning)
+    _run_moves(states, plans, tuning)
 
 
 def _run_row_moves(states: Sequence[MambaStateTensor], moves: plan.RowMoves,
@@ -668,21 +774,27 @@ def _run_row_moves(states: Sequence[MambaStateTensor], moves: plan.RowMoves,
     if not states:
         return
     device = states[0].tensor.device
-    items: dict[tuple[int, bool], torch.Tensor] = {}
-    segments = []
-    for state in states:
-        _check_device(state.tensor, f"state {state.layer or '?'}")
-        _check_contiguous_blocks(state)
-        key = (state.group, state.kind.is_conv)
-        if key not in items:
-            shift = moves.shift if state.kind.is_conv else torch.zeros_like(moves.shift)
-            items[key] = torch.stack([*moves.of(state), shift])
-        base, block, *_ = _layout(state)
-        if state.kind.is_conv:
-            segments.append(_window_segment(state, base, block, base, items[key]))
-        else:
-            segments.append(_flat_segment(base, block, base, block, _block_bytes(state), items[key]))
-    _launch_copies(segments, tuning, device)
+
+    def build() -> list[_Launch]:
+        _check_states(states)
+        segments = []
+        for state in states:
+            base, block, *_ = _layout(state)
+            key = (state.group, state.kind.is_conv)
+            segments.append(_window_segment(state, base, block, base, key) if state.kind.is_conv
+                            else _flat_segment(base, block, base, block, _block_bytes(state), key))
+        return _compile_launches(segments, tuning, device)
+
+    launches = _cached_launches("rows", states, tuning, build)
+    groups, rows = moves.conv_src.shape
+    # conv moves of every group, then temporal ones; flat (temporal) segments ignore the shift
+    items = torch.stack([torch.cat([moves.conv_src, moves.temporal_src]).reshape(-1),
+                         torch.cat([moves.conv_dst, moves.temporal_dst]).reshape(-1),
+                         moves.shift.expand(2 * groups, rows).reshape(-1)])
+    spans: dict[Hashable, tuple[int, int]] = {
+        (g, conv): ((g if conv else groups + g) * rows, rows)
+        for g in range(groups) for conv in (True, False)}
+    _run_launches(launches, items, spans, device)
 
 
 def precopy_running_states(states: Sequence[MambaStateTensor], block_tables: Sequence[torch.Tensor],
@@ -745,8 +857,8 @@ def store_checkpoints(states: Sequence[MambaStateTensor], sources: Sequence[torc
         if state.kind.is_conv:
             # source: the token-major conv input, any strides (row stride in _SRC_BLOCK)
             fields = [source.data_ptr(), source.stride(0), 0, source.stride(1), base, block // size,
-                      tok // size, chan // size, length, source.shape[1], 0, 0, 0, MODE_WINDOW]
-            segment = _Segment(fields, items, size, window_tokens=length)
+                      tok // size, chan // size, length, source.shape[1], 0, 0, 0, MODE_WINDOW, 1]
+            segment = _Segment(fields, None, size, window_tokens=length)
         else:
             if not source[0].is_contiguous():
                 source = source.contiguous()  # rows must be contiguous; vLLM's already are
@@ -754,11 +866,13 @@ def store_checkpoints(states: Sequence[MambaStateTensor], sources: Sequence[torc
             numel = math.prod(state.tensor.shape[1:])
             src_size = source.element_size()
             fields = [source.data_ptr(), source.stride(0), 1, 0, base, block // size,
-                      0, 1, 1, numel, 0, 0, 0, MODE_FLAT]
+                      0, 1, 1, numel, 0, 0, 0, MODE_FLAT, 1]
             aligned = (_aligned16(source.data_ptr(), source.stride(0) * src_size, base, block)
                        and numel % (16 // min(src_size, size)) == 0)
-            segment = _Segment(fields, items, size, window_tokens=1, aligned=aligned)
+            segment = _Segment(fields, None, size, window_tokens=1, aligned=aligned)
         segments.append(((source.element_size(), size, src_kind, dst_kind), segment))
+    if count == 0:  # checked above, nothing to store
+        return
     keys = {id(segment): key for key, segment in segments}
     launches = _launch_groups([segment for _, segment in segments], lambda seg: keys[id(seg)])
     for ((src_size, dst_size, src_kind, dst_kind), aligned), launch in launches.items():
@@ -806,16 +920,14 @@ def gather_aligned_state_indices(block_tables: Sequence[torch.Tensor], seq_lens:
         tables = [t.to(torch.int64) for t in tables]
     for g, table in enumerate(tables):
         _check_device(table, f"block_tables[{g}]")
-    lens = seq_lens.to(device)
+    lens = _on_device(seq_lens, device)
     num_rows = lens.shape[0]
     out = torch.empty((len(tables), num_rows, num_slots), dtype=torch.int32, device=device)
     if num_rows == 0:
         return out
-    meta = torch.tensor(
-        [[t.data_ptr() for t in tables], [t.shape[1] for t in tables],
-         [t.stride(0) for t in tables], [t.stride(1) for t in tables]],
-        dtype=torch.int64,
-    ).to(device)
+    meta = _device_ints([t.data_ptr() for t in tables] + [t.shape[1] for t in tables]
+                        + [t.stride(0) for t in tables] + [t.stride(1) for t in tables],
+                        device).view(4, len(tables))
     rows = _pow2_at_most(max(1, tuning.gather_rows))
     grid = (-(-num_rows // rows), len(tables))
     _gather_indices_kernel[grid](
