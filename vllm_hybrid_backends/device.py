@@ -7,6 +7,7 @@ import functools
 import importlib
 import importlib.util
 from types import ModuleType
+from typing import Any
 
 from .types import DeviceKind
 
@@ -139,6 +140,17 @@ def detect_device_kind() -> DeviceKind:
     if cuda_build() and gpu_count() > 0:
         return DeviceKind.CUDA
     return DeviceKind.CPU
+
+
+def host_ints(values: Any, device: Any) -> Any:
+    """Host integers as an int64 tensor on ``device``. On a CUDA/HIP device the copy goes
+    through pinned memory and is queued without waiting (a pageable ``.to`` syncs the host)."""
+    import torch
+
+    host = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def reset_caches() -> None:

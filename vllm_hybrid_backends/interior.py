@@ -124,12 +124,13 @@ def device_plan(block_table: Any, rows: list[int], cols: list[int], token_end: l
     lives; the destinations are gathered from the table (:func:`destinations`) unless given."""
     import torch
 
+    from .device import host_ints
     from .types import CheckpointBatch
 
     device = block_table.device
 
     def as_long(values: list[int]) -> Any:
-        return torch.tensor(values, dtype=torch.long, device=device)
+        return host_ints(values, device)
 
     request_rows, block_cols = as_long(rows), as_long(cols)
     if dst_block is None:

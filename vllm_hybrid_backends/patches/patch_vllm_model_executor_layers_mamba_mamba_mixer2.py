@@ -82,6 +82,7 @@ def store_prefill_checkpoint(checkpoint: Any, chunk_idx: Any, x: Any, conv_state
     import torch
 
     from .. import plugins
+    from ..device import host_ints
     from .patch_vllm_v1_attention_backends_mamba2_attn import INTERIOR_ATTR
 
     offsets = checkpoint.offsets
@@ -100,7 +101,7 @@ def store_prefill_checkpoint(checkpoint: Any, chunk_idx: Any, x: Any, conv_state
     batches = [] if interior is None else [interior.batch]
     if rows:
         device = query_start_loc.device
-        index = torch.tensor(rows, dtype=torch.long, device=device)
+        index = host_ints(rows, device)
         starts = query_start_loc[index].long()
         batches.insert(0, CheckpointBatch(
             token_end=starts + checkpoint.checkpoint_offsets.to(device)[index].long(),

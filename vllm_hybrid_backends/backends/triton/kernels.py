@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...device import host_ints
 from ...types import CheckpointBatch, MambaStateTensor, StateKind
 from .. import plan
 from .tuning import LaunchTuning
@@ -416,10 +417,7 @@ def _as_host_rows(tensor: torch.Tensor) -> list[Any]:
 def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
     """Host integers (addresses, strides) as an int64 tensor on ``device``, copied from pinned
     memory without waiting for the device."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return host_ints(values, device)
 
 
 def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
