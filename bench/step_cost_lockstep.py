@@ -11,7 +11,10 @@ each in turn, the plugin's engine patches swapped in for its steps only: both se
 load, step by step. Timed as ``replay`` times a step (``schedule`` plus
 ``update_from_output``): per policy the median step, in wall-clock and in thread time (the
 latter leaves out the time other processes held the core: the steadier one on a loaded host),
-and the total thread time of those calls. The deterministic results (prefill tokens computed, preemptions, state
+and the total thread time of those calls. A policy that keeps more requests running has
+longer steps for that reason alone, so each policy's requests per step and median thread time
+per scheduled request are reported too (``per_request_ratio``, ``requests_per_step_ratio``).
+The deterministic results (prefill tokens computed, preemptions, state
 mismatches, token hit rate, scheduler steps) must equal ``replay``'s, which the output repeats
 for a check.
 """
@@ -85,7 +88,8 @@ def lockstep_round(workload: str, upstream_twice: bool = False) -> dict[str, Any
     policy_of = {"upstream": "upstream", "plugin": "upstream" if upstream_twice else "plugin"}
     turn = threading.Condition()
     state: dict[str, Any] = {"next": "upstream", "done": set()}
-    steps: dict[str, list[tuple[float, float]]] = {name: [] for name in POLICIES}
+    # per step: wall us, thread us, requests scheduled
+    steps: dict[str, list[tuple[float, float, int]]] = {name: [] for name in POLICIES}
     results: dict[str, Any] = {}
     errors: list[BaseException] = []
 
@@ -114,7 +118,8 @@ def lockstep_round(workload: str, upstream_twice: bool = False) -> dict[str, Any
                 result = update(out, model_output)
                 if out.total_num_scheduled_tokens:  # the steps replay counts
                     steps[name].append(((spent[0] + time.perf_counter() - wall) * 1e6,
-                                        (spent[1] + time.thread_time() - cpu) * 1e6))
+                                        (spent[1] + time.thread_time() - cpu) * 1e6,
+                                        len(out.num_scheduled_tokens)))
                 return result
 
             scheduler.schedule, scheduler.update_from_output = timed_schedule, timed_update
@@ -147,9 +152,12 @@ def lockstep_round(workload: str, upstream_twice: bool = False) -> dict[str, Any
         result = results[name]
         row[name] = {
             "steps": len(steps[name]),
-            "median_step_us": statistics.median(wall for wall, _ in steps[name]),
-            "median_step_thread_us": statistics.median(cpu for _, cpu in steps[name]),
-            "thread_s": sum(cpu for _, cpu in steps[name]) / 1e6,
+            "median_step_us": statistics.median(wall for wall, _, _ in steps[name]),
+            "median_step_thread_us": statistics.median(cpu for _, cpu, _ in steps[name]),
+            "thread_s": sum(cpu for _, cpu, _ in steps[name]) / 1e6,
+            # a policy that keeps more requests running has longer steps for that reason alone
+            "mean_requests_per_step": statistics.mean(n for _, _, n in steps[name]),
+            "median_thread_us_per_request": statistics.median(cpu / n for _, cpu, n in steps[name]),
             "token_hit_rate": sum(r.hit_tokens for r in result.requests.values())
             / trace.num_prompt_tokens,
             "scheduler_steps": result.steps,
@@ -161,6 +169,10 @@ def lockstep_round(workload: str, upstream_twice: bool = False) -> dict[str, Any
     row["median_thread_ratio"] = (row["plugin"]["median_step_thread_us"]
                                   / row["upstream"]["median_step_thread_us"])
     row["thread_ratio"] = row["plugin"]["thread_s"] / row["upstream"]["thread_s"]
+    row["per_request_ratio"] = (row["plugin"]["median_thread_us_per_request"]
+                                / row["upstream"]["median_thread_us_per_request"])
+    row["requests_per_step_ratio"] = (row["plugin"]["mean_requests_per_step"]
+                                      / row["upstream"]["mean_requests_per_step"])
     return row
 
 
@@ -192,10 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"workload": args.workload, "upstream_twice": args.upstream_twice, "rounds": rows,
                "median_ratio": statistics.median(r["median_ratio"] for r in rows),
                "median_thread_ratio": statistics.median(r["median_thread_ratio"] for r in rows),
-               "thread_ratio": statistics.median(r["thread_ratio"] for r in rows)}
+               "thread_ratio": statistics.median(r["thread_ratio"] for r in rows),
+               "per_request_ratio": statistics.median(r["per_request_ratio"] for r in rows),
+               "requests_per_step_ratio": rows[0]["requests_per_step_ratio"]}
     print(f"{args.workload}: median of per-round ratios: step {summary['median_ratio']:.3f}, "
           f"step thread time {summary['median_thread_ratio']:.3f}, "
-          f"thread time {summary['thread_ratio']:.3f}", file=sys.stderr)
+          f"thread time {summary['thread_ratio']:.3f}; per scheduled request "
+          f"{summary['per_request_ratio']:.3f}, requests per step "
+          f"{summary['requests_per_step_ratio']:.3f}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary, indent=2))
     return 0
