@@ -194,6 +194,15 @@ def test_launch_layouts_are_built_once_per_states_and_dropped_with_them(backend,
     num_reqs, width, num_blocks = 6, 5, 64
     ours = random_states(rng, torch.float16, specs, num_blocks)
     theirs = clone_states(ours)
+
+    def copy_both_and_compare(states):
+        order = torch.randperm(num_blocks, generator=rng)
+        src, dst = order[:8].view(2, 4), order[8:16].view(2, 4)
+        backend.hb_copy_state_blocks(states=states, src_blocks=src, dst_blocks=dst)
+        reference.copy_state_blocks(theirs, src, dst)
+        for mine, ref in zip(states, theirs):
+            assert_same_bits(mine.tensor, ref.tensor, mine.layer)
+
     for _ in range(3):  # fresh moves every step, same state objects
         tables = _request_tables(rng, 2, num_reqs, width, num_blocks)
         src_cols = torch.randint(-1, width - 1, (num_reqs,), generator=rng)
@@ -202,21 +211,11 @@ def test_launch_layouts_are_built_once_per_states_and_dropped_with_them(backend,
         backend.hb_precopy_running_states(states=ours, block_tables=tables, src_cols=src_cols,
                                           dst_cols=dst_cols, token_bias=bias)
         reference.precopy_running_states(theirs, tables, src_cols, dst_cols, bias)
-        order = torch.randperm(num_blocks, generator=rng)
-        src, dst = order[:8].view(2, 4), order[8:16].view(2, 4)
-        backend.hb_copy_state_blocks(states=ours, src_blocks=src, dst_blocks=dst)
-        reference.copy_state_blocks(theirs, src, dst)
-        for mine, ref in zip(ours, theirs):
-            assert_same_bits(mine.tensor, ref.tensor, mine.layer)
+        copy_both_and_compare(ours)  # compares the precopy's result too
     assert len(builds) == 2  # one layout for the row moves, one for the block copies
     # a tensor whose storage is swapped in place (same objects, new addresses): laid out again
     ours[1].tensor.set_(ours[1].tensor.clone())
-    order = torch.randperm(num_blocks, generator=rng)
-    src, dst = order[:8].view(2, 4), order[8:16].view(2, 4)
-    backend.hb_copy_state_blocks(states=ours, src_blocks=src, dst_blocks=dst)
-    reference.copy_state_blocks(theirs, src, dst)
-    for mine, ref in zip(ours, theirs):
-        assert_same_bits(mine.tensor, ref.tensor, mine.layer)
+    copy_both_and_compare(ours)
     assert len(builds) == 3
     ids = tuple(map(id, ours))
     assert sum(key[3] == ids for key in kernels._layouts) == 3
