@@ -4,6 +4,8 @@ Needs only torch, triton and pluggy (no vLLM). On the visible CUDA/HIP GPU it ru
 
 1. parity: every state hook of the Triton backend against the reference, on fresh random states
    whose blocks the hook does not read are NaN-poisoned, compared bit for bit;
+   with ``--fuzz N``, also N random layouts (groups, conv layouts, windows, widths, dtypes,
+   moves) per copy hook;
 2. sync: the per-step hooks (precopy, postprocess, checkpoint store, index gather) with their
    index tensors on the GPU under ``torch.cuda.set_sync_debug_mode("error")``: any host sync fails;
 3. bandwidth: state copies (``hb_copy_state_blocks``, ``hb_precopy_running_states``) against a
@@ -140,6 +142,107 @@ def parity_cases(device: str, seed: int = 0) -> dict[str, Callable[[Any], list[M
             "hb_gather_aligned_state_indices": gather}
 
 
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def fuzz_cases(device: str, seed: int) -> dict[str, Callable[[Any], list[MambaStateTensor]]]:
+    """Like :func:`parity_cases`, for the three copy hooks, with a random layout drawn from
+    ``seed``: 1-3 groups, each with a conv state (SD or DS, window 2-6, odd widths) and one or
+    two temporal states of random shape, one dtype per case; random moves with chains, cycles
+    and fan-out (copies), random columns and token biases (precopy, postprocess)."""
+    draw = torch.Generator().manual_seed(seed)
+
+    def pick(low: int, high: int) -> int:  # inclusive
+        return int(torch.randint(low, high + 1, (1,), generator=draw))
+
+    groups, blocks = pick(1, 3), 64
+    dtype = _DTYPES[pick(0, 2)]
+    specs: list[tuple[StateKind, tuple[int, ...], int]] = []
+    window = pick(2, 6)  # every conv state shares it: a token bias must fit all of them
+    for group in range(groups):
+        dim = pick(1, 70) * 2 + 1
+        conv = StateKind.CONV_SD if pick(0, 1) else StateKind.CONV_DS
+        specs.append((conv, (window, dim) if conv is StateKind.CONV_SD else (dim, window), group))
+        for _ in range(pick(1, 2)):
+            specs.append((StateKind.TEMPORAL, tuple(pick(1, 17) for _ in range(pick(1, 3))), group))
+    rows, width, block_size = pick(1, 9), pick(2, 6), pick(2, 6)
+
+    def build() -> tuple[torch.Generator, list[MambaStateTensor]]:
+        gen = torch.Generator().manual_seed(seed)
+        states = [MambaStateTensor((torch.randn(blocks, *shape, generator=gen) * 4).to(dtype).to(device),
+                                   kind, group, f"{kind.value}{i}")
+                  for i, (kind, shape, group) in enumerate(specs)]
+        return gen, states
+
+    def copy(impl: Any) -> list[MambaStateTensor]:
+        gen, states = build()
+        src, dst = [], []
+        count = int(torch.randint(1, 13, (1,), generator=gen))
+        for _ in range(groups):
+            order = torch.randperm(blocks, generator=gen).tolist()
+            targets = order[:count]
+            # sources: fresh blocks, other targets (chains, cycles) or one repeated (fan-out)
+            pool = order[count: count + 6] + targets
+            src.append([pool[int(torch.randint(len(pool), (1,), generator=gen))] for _ in targets])
+            dst.append(targets)
+        src_t, dst_t = torch.tensor(src), torch.tensor(dst)
+        _poison(states, {g: src_t[g] for g in range(groups)})
+        impl.hb_copy_state_blocks(states=states, src_blocks=src_t, dst_blocks=dst_t)
+        return states
+
+    def tables(gen: torch.Generator) -> list[torch.Tensor]:
+        return [torch.randperm(blocks, generator=gen)[: rows * width].view(rows, width).to(device)
+                for _ in range(groups)]
+
+    def precopy(impl: Any) -> list[MambaStateTensor]:
+        gen, states = build()
+        tabs = tables(gen)
+        _poison(states, {g: tabs[g].flatten() for g in range(groups)})
+        src = torch.randint(-1, width - 1, (rows,), generator=gen)
+        dst = (src + torch.randint(0, 2, (rows,), generator=gen)).clamp(0, width - 1)
+        bias = torch.randint(0, window, (rows,), generator=gen)
+        impl.hb_precopy_running_states(states=states, block_tables=tabs, src_cols=src.to(device),
+                                       dst_cols=dst.to(device), token_bias=bias.to(device))
+        return states
+
+    def postprocess(impl: Any) -> list[MambaStateTensor]:
+        gen, states = build()
+        tabs = tables(gen)
+        _poison(states, {g: tabs[g].flatten() for g in range(groups)})
+        running = torch.randint(1, block_size * (width - 1) + 1, (rows,), generator=gen)
+        cols = ((running - 1) // block_size).clamp(max=width - 1)
+        accepted = torch.randint(1, window, (rows,), generator=gen)  # bias < the window
+        out = torch.full((rows,), 7, device=device)
+        impl.hb_postprocess_accepted_states(
+            states=states, block_tables=tabs, running_cols=cols.to(device),
+            num_running_tokens=running.to(device), num_accepted=accepted.to(device),
+            block_size=block_size, num_accepted_out=out)
+        return [*states, MambaStateTensor(out[:, None], StateKind.TEMPORAL, layer="num_accepted_out")]
+
+    return {"hb_copy_state_blocks": copy, "hb_precopy_running_states": precopy,
+            "hb_postprocess_accepted_states": postprocess}
+
+
+def check_fuzz(backend: Any, device: str, count: int, first_seed: int = 1000) -> dict[str, str]:
+    """Hook -> ``"ok (N cases)"`` or the first seed whose result differs from the reference."""
+    results = {}
+    for hook in ("hb_copy_state_blocks", "hb_precopy_running_states",
+                 "hb_postprocess_accepted_states"):
+        results[hook] = f"ok ({count} cases)"
+        for seed in range(first_seed, first_seed + count):
+            case = fuzz_cases(device, seed)[hook]
+            try:
+                ours, theirs = case(backend), case(reference)
+                bad = [s.layer for s, r in zip(ours, theirs) if not _same_bits(s.tensor, r.tensor)]
+            except Exception as exc:  # a failure is a result of the check
+                results[hook] = f"seed {seed}: error: {type(exc).__name__}: {exc}"
+                break
+            if bad:
+                results[hook] = f"seed {seed}: differs in {', '.join(bad)}"
+                break
+    return results
+
+
 def check_parity(backend: Any, device: str) -> dict[str, str]:
     """Hook -> ``"ok"`` or what differs from the reference."""
     results = {}
@@ -232,7 +335,7 @@ def bandwidth(backend: Any, device: str, moves: int = 64, scale: int = 16) -> li
     return rows
 
 
-def run(as_json: bool) -> int:
+def run(as_json: bool, fuzz: int = 0) -> int:
     if not torch.cuda.is_available():
         print(f"gpu-check: no CUDA/HIP GPU visible to torch {torch.__version__} "
               f"(CUDA build {torch.version.cuda}, HIP build {torch.version.hip}); "
@@ -251,10 +354,12 @@ def run(as_json: bool) -> int:
         "backend": backend.NAME,
         "parity": check_parity(backend, device),
         "sync": check_syncs(backend, device),
+        "fuzz": check_fuzz(backend, device, fuzz) if fuzz else {},
         "bandwidth": bandwidth(backend, device),
     }
     failed = [f"{part}:{hook}" for part in ("parity", "sync") for hook, result in report[part].items()
               if result != "ok"]
+    failed += [f"fuzz:{hook}" for hook, result in report["fuzz"].items() if not result.startswith("ok")]
     report["ok"] = not failed
     if as_json:
         print(json.dumps(report, indent=2))
@@ -263,6 +368,8 @@ def run(as_json: bool) -> int:
         print(f"{'hook':34} {'parity':12} sync")
         for hook, result in report["parity"].items():
             print(f"{hook:34} {result:12} {report['sync'].get(hook, '-')}")
+        for hook, result in report["fuzz"].items():
+            print(f"{hook:34} random layouts: {result}")
         print(f"\n{'operation':28} {'bytes':>10} {'us':>9} {'GB/s':>8} {'of copy_':>9}")
         for row in report["bandwidth"]:
             print(f"{row['operation']:28} {row['bytes']:>10} {row['microseconds']:>9} "
@@ -275,7 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vllm_hybrid_backends.gpu_check",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    return run(parser.parse_args(argv).json)
+    parser.add_argument("--fuzz", type=int, default=0, metavar="N",
+                        help="also N random layouts per copy hook against the reference")
+    args = parser.parse_args(argv)
+    if args.fuzz < 0:
+        parser.error(f"--fuzz must be >= 0, got {args.fuzz}")
+    return run(args.json, args.fuzz)
 
 
 if __name__ == "__main__":

@@ -106,3 +106,34 @@ def test_on_a_gpu_every_check_passes_and_prints_json(capsys):
     assert report["ok"] and set(report["sync"].values()) == {"ok"}
     assert report["bandwidth"][0]["operation"] == "copy_(same bytes)"
     assert torch.cuda.is_available()
+
+
+def test_random_layouts_match_the_reference_in_the_interpreter(interpreted_kernels):
+    results = gpu_check.check_fuzz(CUDA, "cpu", 6)
+    assert results == {hook: "ok (6 cases)" for hook in (
+        "hb_copy_state_blocks", "hb_precopy_running_states", "hb_postprocess_accepted_states")}
+
+
+def test_random_layouts_catch_copies_that_ignore_snapshot_order(interpreted_kernels, monkeypatch):
+    # a move planner that never stages: a chain reads a block after another move overwrote it
+    kernels = interpreted_kernels
+    plan_moves = kernels._plan_moves
+
+    def no_staging(src, dst, shift):
+        moves = plan_moves(src, dst, shift)
+        slot_source = {slot: source for source, slot, _ in moves.staging}
+        moves.direct_flat += [(slot_source[slot], d, b) for slot, d, b in moves.staged_flat]
+        moves.staging, moves.staged_flat = [], []
+        return moves
+
+    monkeypatch.setattr(kernels, "_plan_moves", no_staging)
+    results = gpu_check.check_fuzz(CUDA, "cpu", 6)
+    assert "differs in" in results["hb_copy_state_blocks"]
+    assert results["hb_precopy_running_states"] == "ok (6 cases)"
+
+
+def test_a_negative_fuzz_count_is_refused_with_its_value(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--fuzz", "-3"])
+    assert exit_.value.code == 2
+    assert "--fuzz must be >= 0, got -3" in capsys.readouterr().err
