@@ -67,6 +67,7 @@ per-request paths then read no environment variable):
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -193,6 +194,7 @@ def refresh_policy() -> AlignPolicy:
     return _active
 
 
+@functools.lru_cache(maxsize=64)  # called per prefill chunk; policies are frozen and few
 def policy_for_model(policy: AlignPolicy, *, internal_prefill_checkpoints: bool,
                      interior_states: bool = False,
                      mamba_kinds: frozenset[str] | None = None) -> AlignPolicy:
