@@ -15,18 +15,26 @@ at each and a ``--label``.
 from __future__ import annotations
 
 import argparse
-import math
+import importlib.util
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-SHAPES = [  # model, Mamba layers, conv (SD), conv dtype, temporal, temporal dtype
-    ("Qwen3.5-0.8B", 18, (3, 6144), torch.bfloat16, (16, 128, 128), torch.float32),
-    ("Nemotron-H-8B", 24, (3, 10240), torch.bfloat16, (128, 64, 128), torch.float32),
-]
+
+def _workloads() -> list[Any]:
+    """Qwen3.5-0.8B's and Nemotron-H-8B's state shapes, from ``bench/kernels.py``."""
+    spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("kernels.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return [w for w in module.WORKLOADS if w.model in ("Qwen3.5-0.8B", "Nemotron-H-8B")]
+
+
 BATCHES = (1, 8, 64)
 
 
@@ -54,12 +62,13 @@ def measure(label: str, name: str, run: Callable[[], object], calls: int) -> Non
           f"device {device:8.1f} us  copy kernel {kernel:8.1f} us  device ops {ops:4.0f}", flush=True)
 
 
-def run_case(label: str, calls: int, backend: object, shape: tuple, batch: int) -> None:
+def run_case(label: str, calls: int, backend: object, workload: Any, batch: int) -> None:
     from vllm_hybrid_backends import plugins
     from vllm_hybrid_backends.backends import plan
     from vllm_hybrid_backends.types import MambaStateTensor, StateKind
 
-    model, layers, conv, conv_dtype, temporal, temporal_dtype = shape
+    model, layers, conv, conv_dtype = workload.model, workload.layers, workload.conv, workload.conv_dtype
+    temporal, temporal_dtype = workload.temporal, workload.temporal_dtype
     device = torch.device("cuda")
     blocks = 2 * batch + 2
     states = []
@@ -70,9 +79,7 @@ def run_case(label: str, calls: int, backend: object, shape: tuple, batch: int) 
                                        StateKind.TEMPORAL, 0, f"layers.{layer}.temporal"))
     order = torch.randperm(2 * batch)
     src, dst = order[:batch].view(1, batch), order[batch:].view(1, batch)
-    per_request = layers * (math.prod(conv) * conv_dtype.itemsize
-                            + math.prod(temporal) * temporal_dtype.itemsize)
-    flat = torch.empty(2, per_request * batch, dtype=torch.uint8, device=device)
+    flat = torch.empty(2, workload.bytes_per_request() * batch, dtype=torch.uint8, device=device)
     tables = [torch.arange(2 * batch, device=device).view(batch, 2)]
     cols = torch.zeros(batch, dtype=torch.long, device=device)
     next_cols, bias = cols + 1, torch.ones_like(cols)
@@ -107,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_hybrid_backends.backends.triton.backend import CUDA, ROCM
 
     backend = ROCM if torch.version.hip else CUDA
-    for shape in SHAPES:
+    for workload in _workloads():
         for batch in BATCHES:
-            run_case(args.label, args.calls, backend, shape, batch)
+            run_case(args.label, args.calls, backend, workload, batch)
             torch.cuda.empty_cache()
     return 0
 

@@ -142,15 +142,22 @@ def detect_device_kind() -> DeviceKind:
     return DeviceKind.CPU
 
 
-def host_ints(values: Any, device: Any) -> Any:
-    """Host integers as an int64 tensor on ``device``. On a CUDA/HIP device the copy goes
-    through pinned memory and is queued without waiting (a pageable ``.to`` syncs the host)."""
+def to_device(tensor: Any, device: Any) -> Any:
+    """``tensor`` on ``device``. A host tensor bound for a CUDA/HIP device goes through pinned
+    memory and the copy is queued without waiting (a pageable ``.to`` syncs the host)."""
     import torch
 
-    host = torch.tensor(values, dtype=torch.long)
-    if torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    target = torch.device(device)
+    if target.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(target, non_blocking=True)
+    return tensor.to(target)
+
+
+def host_ints(values: Any, device: Any) -> Any:
+    """Host integers as an int64 tensor on ``device`` (:func:`to_device`)."""
+    import torch
+
+    return to_device(torch.tensor(values, dtype=torch.long), device)
 
 
 def reset_caches() -> None:

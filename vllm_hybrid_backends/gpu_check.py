@@ -75,10 +75,11 @@ def _poison(states: list[MambaStateTensor], keep: dict[int, torch.Tensor]) -> No
         state.tensor[mask] = float("nan")
 
 
-def _tables(gen: torch.Generator, rows: int, cols: int, blocks: int, device: str) -> list[torch.Tensor]:
-    """Block tables in which every request owns its blocks."""
+def _tables(gen: torch.Generator, rows: int, cols: int, blocks: int, device: str,
+            groups: int = 2) -> list[torch.Tensor]:
+    """Block tables, one per group, in which every request owns its blocks."""
     return [torch.randperm(blocks, generator=gen)[: rows * cols].view(rows, cols).to(device)
-            for _ in (0, 1)]
+            for _ in range(groups)]
 
 
 def parity_cases(device: str, seed: int = 0) -> dict[str, Callable[[Any], list[MambaStateTensor]]]:
@@ -190,13 +191,9 @@ def fuzz_cases(device: str, seed: int) -> dict[str, Callable[[Any], list[MambaSt
         impl.hb_copy_state_blocks(states=states, src_blocks=src_t, dst_blocks=dst_t)
         return states
 
-    def tables(gen: torch.Generator) -> list[torch.Tensor]:
-        return [torch.randperm(blocks, generator=gen)[: rows * width].view(rows, width).to(device)
-                for _ in range(groups)]
-
     def precopy(impl: Any) -> list[MambaStateTensor]:
         gen, states = build()
-        tabs = tables(gen)
+        tabs = _tables(gen, rows, width, blocks, device, groups)
         _poison(states, {g: tabs[g].flatten() for g in range(groups)})
         src = torch.randint(-1, width - 1, (rows,), generator=gen)
         dst = (src + torch.randint(0, 2, (rows,), generator=gen)).clamp(0, width - 1)
@@ -207,7 +204,7 @@ def fuzz_cases(device: str, seed: int) -> dict[str, Callable[[Any], list[MambaSt
 
     def postprocess(impl: Any) -> list[MambaStateTensor]:
         gen, states = build()
-        tabs = tables(gen)
+        tabs = _tables(gen, rows, width, blocks, device, groups)
         _poison(states, {g: tabs[g].flatten() for g in range(groups)})
         running = torch.randint(1, block_size * (width - 1) + 1, (rows,), generator=gen)
         cols = ((running - 1) // block_size).clamp(max=width - 1)

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...device import host_ints
+from ...device import host_ints, to_device
 from ...types import CheckpointBatch, MambaStateTensor, StateKind
 from .. import plan
 from .tuning import LaunchTuning
@@ -414,20 +414,6 @@ def _as_host_rows(tensor: torch.Tensor) -> list[Any]:
     return tensor.detach().to("cpu").tolist()
 
 
-def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host integers (addresses, strides) as an int64 tensor on ``device``, copied from pinned
-    memory without waiting for the device."""
-    return host_ints(values, device)
-
-
-def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device``; a host tensor goes through pinned memory, so the copy is
-    queued without waiting for the device."""
-    if tensor.device == device or device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def _block_bytes(state: MambaStateTensor) -> int:
     return math.prod(state.tensor.shape[1:]) * state.tensor.element_size()
 
@@ -633,11 +619,11 @@ def _run_launches(launches: list[_Launch], items: torch.Tensor,
     if not runs:
         return
     if items.device.type == "cpu":
-        packed = _on_device(torch.cat([torch.tensor(flat, dtype=torch.int64), items.reshape(-1)]),
+        packed = to_device(torch.cat([torch.tensor(flat, dtype=torch.int64), items.reshape(-1)]),
                             device)
         tables, item_words = packed[: len(flat)], packed[len(flat):]
     else:
-        tables = _device_ints(flat, device)
+        tables = host_ints(flat, device)
         item_words = items.to(device=device, dtype=torch.int64).reshape(-1)
     for launch, at, num_segments, programs in runs:
         _state_copy_kernel[(programs,)](
@@ -889,7 +875,7 @@ def store_checkpoints(states: Sequence[MambaStateTensor], sources: Sequence[torc
             fields[_ITEM0.value], fields[_TILES.value], fields[_PROG0.value] = 0, tiles, programs
             programs += tiles * count
             columns.append(fields)
-        table = _device_ints([value for f in range(_NUM_FIELDS) for value in (col[f] for col in columns)],
+        table = host_ints([value for f in range(_NUM_FIELDS) for value in (col[f] for col in columns)],
                              device)
         num_segments = len(columns)
         _checkpoint_kernel[(programs,)](
@@ -918,12 +904,12 @@ def gather_aligned_state_indices(block_tables: Sequence[torch.Tensor], seq_lens:
         tables = [t.to(torch.int64) for t in tables]
     for g, table in enumerate(tables):
         _check_device(table, f"block_tables[{g}]")
-    lens = _on_device(seq_lens, device)
+    lens = to_device(seq_lens, device)
     num_rows = lens.shape[0]
     out = torch.empty((len(tables), num_rows, num_slots), dtype=torch.int32, device=device)
     if num_rows == 0:
         return out
-    meta = _device_ints([t.data_ptr() for t in tables] + [t.shape[1] for t in tables]
+    meta = host_ints([t.data_ptr() for t in tables] + [t.shape[1] for t in tables]
                         + [t.stride(0) for t in tables] + [t.stride(1) for t in tables],
                         device).view(4, len(tables))
     rows = _pow2_at_most(max(1, tuning.gather_rows))
