@@ -60,6 +60,7 @@ def test_round_trip_plan_block_table_worker_read_release():
     # plans them, vLLM's manager allocates, the worker reads the block table back, and
     # releasing the chunk's skipped columns frees exactly those blocks.
     from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
+    from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_manager as manager_patch
     from vllm_hybrid_backends.replay import harness
     from vllm_hybrid_backends.replay.policy import get_policy
     from vllm_hybrid_backends.replay.shapes import tiny_shape
@@ -76,9 +77,12 @@ def test_round_trip_plan_block_table_worker_read_release():
                                harness._default_accept(), None, None)
             manager = run.scheduler.kv_cache_manager
             request = run._make_request(spec, 0.0)
+            manager_patch.arm(manager)  # as the scheduler patch's split does for a prefill chunk
+            coordinator.watch_caching(manager.coordinator)
             assert manager.allocate_slots(request, 100) is not None
             assert not {"get_num_blocks_to_allocate", "allocate_new_blocks"} & set(
                 vars(manager.coordinator))  # the hooks were bound for that allocation only
+            assert "allocate_slots" not in vars(manager)  # and the wrapper for that one
             groups = [group for group, _ in coordinator._interior_managers(manager.coordinator)]
             assert groups == run.setup.mamba_group_ids and len(groups) == 2
             rows = [list(manager.coordinator.single_type_managers[g].req_to_blocks["a"])

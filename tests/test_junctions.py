@@ -81,11 +81,16 @@ def test_a_scheduler_subclass_that_replaced_vllms_gets_the_junction_wiring_and_l
     vllm_scheduler = module.Scheduler
     hit_search = vars(vllm_scheduler)["_get_local_prefix_cache_hit"]
     assert hit_search is not scheduler_patch._get_local_prefix_cache_hit  # not patched already
+    split = vars(vllm_scheduler)["_mamba_block_aligned_split"]
+    sibling = type("AsyncScheduler", (vllm_scheduler,), {})  # subclassed before the swap
     balance = type("BalanceScheduler", (vllm_scheduler,), {})
     monkeypatch.setattr(module, "Scheduler", balance)
     assert scheduler_patch.missing() == []
     scheduler_patch.apply()
     try:
+        # the split (which arms the plugin's allocation and caching) reaches both subclasses
+        assert sibling._mamba_block_aligned_split is scheduler_patch._mamba_block_aligned_split
+        assert balance._mamba_block_aligned_split is scheduler_patch._mamba_block_aligned_split
         assert vars(balance)["_get_local_prefix_cache_hit"] is scheduler_patch._get_local_prefix_cache_hit
         assert vars(vllm_scheduler)["_get_local_prefix_cache_hit"] is hit_search  # vLLM's untouched
         assert scheduler_patch._ORIGINALS["_get_local_prefix_cache_hit"] is hit_search
@@ -94,3 +99,5 @@ def test_a_scheduler_subclass_that_replaced_vllms_gets_the_junction_wiring_and_l
         scheduler_patch.revert()
     assert "_get_local_prefix_cache_hit" not in vars(balance)
     assert balance._get_local_prefix_cache_hit is hit_search
+    assert vars(vllm_scheduler)["_mamba_block_aligned_split"] is split
+    assert "_mamba_block_aligned_split" not in vars(balance)

@@ -4,7 +4,6 @@ kernel-override precedence, and all-or-nothing application."""
 from __future__ import annotations
 
 import ctypes
-import inspect
 import sys
 import types
 
@@ -300,86 +299,3 @@ def test_applicable_patches_say_what_they_leave_to_this_vllm():
         assert limits == ""
     else:  # 0.23: dense retention, no pop_blocks_for_free, no local-token count
         assert "suffix eviction" in limits and "interior states" in limits
-
-
-# ---- per-step wrappers: the positional forms ----------------------------------------------------
-
-
-def test_same_parameters_compares_names_kinds_and_defaults_not_annotations():
-    from vllm_hybrid_backends.compat import same_parameters
-
-    def vllm_form(self, request_id: str, tokens: int, prompt: int | None = None) -> None: ...
-    def same(self, request_id, tokens, prompt=None): ...  # noqa: E704
-    def other_default(self, request_id, tokens, prompt=0): ...  # noqa: E704
-    def keyword_only(self, request_id, tokens, *, prompt=None): ...  # noqa: E704
-    def renamed(self, request_id, num_tokens, prompt=None): ...  # noqa: E704
-
-    assert same_parameters(vllm_form, same)
-    assert not any(same_parameters(vllm_form, f) for f in (other_default, keyword_only, renamed))
-    assert not same_parameters(len, same)  # a builtin without a signature to compare
-
-
-def _positional_forms():
-    from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_coordinator as coordinator
-    from vllm_hybrid_backends.patches import patch_vllm_v1_core_kv_cache_manager as manager
-
-    return [
-        pytest.param(manager, "allocate_slots", manager._manager_class(), "allocate_slots",
-                     manager.allocate_slots, manager.allocate_slots_positional,
-                     [("req", 1), {"num_lookahead_tokens": 3}],
-                     [("req", 700, 5), {"delay_cache_blocks": True, "reserved_blocks": 2}],
-                     id="KVCacheManager.allocate_slots"),
-        pytest.param(coordinator, "KVCacheCoordinator.remove_skipped_blocks",
-                     coordinator._module().KVCacheCoordinator, "remove_skipped_blocks",
-                     coordinator.remove_skipped_blocks,
-                     coordinator.remove_skipped_blocks_positional,
-                     [("r", 40), {"num_prompt_tokens": 33}], [("r", 41), {}],
-                     id="KVCacheCoordinator.remove_skipped_blocks"),
-    ]
-
-
-@pytest.mark.parametrize("patch, key, owner, name, generic, positional, call, other_call",
-                         _positional_forms())
-def test_positional_wrappers_hand_vllm_exactly_the_arguments_of_the_call(
-        monkeypatch, patch, key, owner, name, generic, positional, call, other_call):
-    from vllm_hybrid_backends.compat import same_parameters
-
-    original = vars(owner)[name]
-    if getattr(original, "_hybrid_backends_wrapper", False) or original in (generic, positional):
-        pytest.fail(f"{name} is still patched from an earlier test")
-    installed = positional if same_parameters(original, positional) else generic
-    if version_allows(">=0.32,<0.33"):  # the form this release's per-step path must use
-        assert installed is positional
-    signature = inspect.signature(original)
-    received = []
-
-    def recording(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        received.append(dict(bound.arguments))
-        return ["blocks"]
-
-    monkeypatch.setitem(patch._ORIGINALS, key, recording)
-    state = types.SimpleNamespace(kept_states={})
-    me = types.SimpleNamespace(_hybrid_state=state, block_pool=None,
-                               coordinator=types.SimpleNamespace())
-    for args, kwargs in (call, other_call):
-        # vLLM 0.23's remove_skipped_blocks has no num_prompt_tokens: pass what this vLLM takes
-        kwargs = {key: value for key, value in kwargs.items() if key in signature.parameters}
-        installed(me, *args, **kwargs)
-        expected = signature.bind(me, *args, **kwargs)
-        expected.apply_defaults()
-        assert received.pop() == dict(expected.arguments), (name, args, kwargs)
-
-
-def test_the_installed_per_step_wrappers_are_the_positional_forms_where_vllm_allows():
-    from vllm_hybrid_backends.compat import same_parameters
-    from vllm_hybrid_backends.replay.policy import get_policy
-
-    forms = [values.values for values in _positional_forms()]
-    originals = [vars(owner)[name] for _, _, owner, name, *_ in forms]
-    with get_policy("plugin").active():
-        for (_, _, owner, name, generic, positional, _, _), original in zip(forms, originals):
-            wanted = positional if same_parameters(original, positional) else generic
-            assert vars(owner)[name] is wanted, name
-    assert [vars(owner)[name] for _, _, owner, name, *_ in forms] == originals

@@ -77,19 +77,6 @@ def signature_problem(function: object, where: str, expected: tuple[str, ...], *
             f"in vLLM {installed_vllm_version()}")
 
 
-def same_parameters(function: object, template: object) -> bool:
-    """Whether ``function`` takes exactly ``template``'s parameters: names, kinds and defaults
-    in order (annotations aside). A wrapper written with a vLLM function's parameters can then
-    forward them positionally, which costs a fraction of ``*args, **kwargs`` forwarding."""
-    try:
-        found = inspect.signature(function)  # type: ignore[arg-type]
-        wanted = inspect.signature(template)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-    return [(p.name, p.kind, p.default) for p in found.parameters.values()] == [
-        (p.name, p.kind, p.default) for p in wanted.parameters.values()]
-
-
 def version_allows(specifier: str, version: str | None = None) -> bool:
     """Whether the installed (or given) vLLM release is in ``specifier``."""
     version = version if version is not None else installed_vllm_version()

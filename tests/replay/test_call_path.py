@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,13 +32,11 @@ CONFIG = ReplayConfig()
 #: a patch installs one of two forms by the installed signature, either counts).
 ALWAYS_CALLED: dict[str, tuple[Any, ...]] = {
     "Scheduler._mamba_block_aligned_split": (scheduler_patch._mamba_block_aligned_split,),
-    "KVCacheManager.allocate_slots": (manager_patch.allocate_slots,
-                                      manager_patch.allocate_slots_positional),
-    "cache_blocks (every coordinator class defining one)": (coordinator_patch._cache_blocks,),
+    "KVCacheManager.allocate_slots (armed)": (manager_patch.allocate_slots,),
+    "cache_blocks (armed)": (coordinator_patch.cache_blocks,),
+    "cache_blocks, a Mamba block full": (coordinator_patch._cache_blocks,),
     "KVCacheCoordinator.free": (coordinator_patch.free,),
-    "KVCacheCoordinator.remove_skipped_blocks": (
-        coordinator_patch.remove_skipped_blocks,
-        coordinator_patch.remove_skipped_blocks_positional),
+    "KVCacheCoordinator.remove_skipped_blocks (armed)": (coordinator_patch.remove_skipped_blocks,),
     "KVCacheCoordinator.get_num_blocks_to_allocate": (
         coordinator_patch.get_num_blocks_to_allocate,),
     "KVCacheCoordinator.allocate_new_blocks": (coordinator_patch.allocate_new_blocks,),
@@ -91,21 +90,6 @@ def test_every_engine_wrapper_runs_inside_vllms_scheduler():
     assert not not_called, f"installed but never called by vLLM: {not_called}"
 
 
-def test_cache_blocks_is_wrapped_on_every_class_that_defines_it():
-    module = pytest.importorskip("vllm.v1.core.kv_cache_coordinator")
-    definers = [cls for cls in coordinator_patch._coordinator_classes(module)
-                if "cache_blocks" in vars(cls)]
-    assert module.KVCacheCoordinator in definers
-
-    def wrapped() -> list[bool]:
-        return [getattr(vars(cls)["cache_blocks"], "_hybrid_backends_wrapper", False)
-                for cls in definers]
-
-    with get_policy("plugin").active():
-        assert all(wrapped()), [cls.__name__ for cls in definers]
-    assert not any(wrapped())  # vLLM's own again once the policy ends
-
-
 def test_decode_steps_run_vllms_own_coordinator_methods():
     """The allocation hooks run only inside a multi-token ``allocate_slots`` and the boundary
     wrapper only inside ``_cache_blocks`` (a Mamba block became full): a one-token decode
@@ -113,7 +97,7 @@ def test_decode_steps_run_vllms_own_coordinator_methods():
     pytest.importorskip("vllm.v1.core.kv_cache_coordinator")
     module = coordinator_patch._module()
     form = coordinator_patch._boundary_form(module)
-    allocations = {manager_patch.allocate_slots.__code__, manager_patch.allocate_slots_positional.__code__}
+    allocations = {manager_patch.allocate_slots.__code__}
     hooks = {coordinator_patch.get_num_blocks_to_allocate.__code__,
              coordinator_patch.get_num_blocks_to_allocate_without_local.__code__,
              coordinator_patch.allocate_new_blocks.__code__}
@@ -152,3 +136,75 @@ def test_decode_steps_run_vllms_own_coordinator_methods():
     assert hook_tokens and min(hook_tokens) > 1, sorted(set(hook_tokens))[:5]
     if boundaries:  # dense retention (0.23) has no boundary wrapper
         assert boundary_calls["inside"] > 0 and boundary_calls["outside"] == 0, boundary_calls
+
+
+def test_decode_steps_enter_no_plugin_frame_and_miss_no_full_mamba_block():
+    """vLLM's one-token ``allocate_slots`` (a decode step: one call per running request per
+    step) enters a frame of this plugin only to keep the boundaries of a Mamba block it fills,
+    to release kept states or to take a new block (the probation queue); and every
+    ``cache_blocks`` call that fills a Mamba block, from whichever caller, runs through the
+    plugin's (the arming in the split misses none)."""
+    pytest.importorskip("vllm.v1.core.kv_cache_coordinator")
+    module = coordinator_patch._module()
+    package = Path(coordinator_patch.__file__).parents[1]
+    harness = str(package / "replay")  # the replay's oracle, not the plugin
+    vllm_allocate = manager_patch._manager_class().allocate_slots.__code__
+    vllm_caching = {vars(cls)["cache_blocks"].__code__
+                    for cls in coordinator_patch._coordinator_classes(module)
+                    if "cache_blocks" in vars(cls)}
+    allowed = {coordinator_patch.cache_blocks.__name__,
+               coordinator_patch.remove_skipped_blocks.__name__, "popleft_n"}
+    open_allocations: list[int] = []
+    entered: Counter[str] = Counter()
+    fills = {"through the plugin": 0, "missed": 0}
+    decode_allocations = Counter[str]()
+
+    def plugin(code: Any) -> bool:
+        return code.co_filename.startswith(str(package)) and not code.co_filename.startswith(
+            harness)
+
+    def outermost_plugin_frame(frame: Any) -> bool:
+        caller = frame.f_back
+        while caller is not None and caller.f_code is not vllm_allocate:
+            if caller.f_code.co_filename.startswith(str(package)):  # the plugin's or the oracle's
+                return False
+            caller = caller.f_back
+        return True
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        code = frame.f_code
+        if code is vllm_allocate:
+            if event == "call":
+                open_allocations.append(frame.f_locals["num_new_tokens"])
+                decode_allocations["all"] += open_allocations[-1] <= 1
+            elif event == "return":
+                open_allocations.pop()
+            return
+        if event != "call":
+            return
+        if code is manager_patch.allocate_slots.__code__:  # armed (a stale arm: one-token)
+            decode_allocations["armed"] += frame.f_locals["num_new_tokens"] <= 1
+        elif code in vllm_caching and frame.f_back.f_code not in vllm_caching:
+            local = frame.f_locals
+            if coordinator_patch.fills_mamba_block(local["self"], local["request"].request_id,
+                                                  local["num_computed_tokens"]):
+                through = frame.f_back.f_code is coordinator_patch._cache_blocks.__code__
+                fills["through the plugin" if through else "missed"] += 1
+        elif (open_allocations and open_allocations[-1] <= 1 and plugin(code)
+              and outermost_plugin_frame(frame)):
+            entered[code.co_name] += 1
+            decode_allocations["entering the plugin"] += 1
+
+    trace = make_workload("agentic", block_size=CONFIG.layout().block_size, sessions=2, turns=3)
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        result = run_replay(trace, CONFIG, get_policy("plugin"))
+    finally:
+        sys.setprofile(previous)
+    assert result.patches and result.steps > 0
+    assert fills["through the plugin"] > 0 and fills["missed"] == 0, fills
+    assert set(entered) <= allowed, entered
+    assert decode_allocations["entering the plugin"] < decode_allocations["all"] / 4, (
+        decode_allocations, entered)
+    assert decode_allocations["armed"] < decode_allocations["all"] / 20, decode_allocations

@@ -3,10 +3,9 @@ finished request's cached prefix from its end, all groups together.
 
 - Targets: ``vllm.v1.core.kv_cache_coordinator.replay_boundaries`` (0.32+; the method
   ``KVCacheCoordinator.get_replay_boundaries`` on 0.30/0.31, the classmethod
-  ``MambaManager.reachable_block_mask`` on 0.26), ``cache_blocks`` of every
-  coordinator class that defines one (0.30/0.31's ``HybridKVCacheCoordinator`` overrides the
-  base's, so a wrapper on the base alone would never run), ``KVCacheCoordinator.free``,
-  ``KVCacheCoordinator.remove_skipped_blocks``,
+  ``MambaManager.reachable_block_mask`` on 0.26), ``KVCacheCoordinator.cache_blocks`` and
+  ``remove_skipped_blocks`` (bound on the coordinator instance when needed, below),
+  ``KVCacheManager.cache_blocks``, ``KVCacheCoordinator.free``,
   ``KVCacheCoordinator.get_num_blocks_to_allocate``, ``KVCacheCoordinator.allocate_new_blocks``
   and ``HybridKVCacheCoordinator.find_longest_cache_hit`` (and that of any subclass defined
   outside vLLM that overrides it, such as vllm-ascend's ``AscendHybridKVCacheCoordinator``:
@@ -18,6 +17,13 @@ finished request's cached prefix from its end, all groups together.
   ``free`` hands each group's blocks to the pool group after group, attention first, so all of a
   request's attention blocks are evicted before any of its Mamba states: kept snapshots then
   outlive the attention prefix they need and push other prefixes out.
+- Per-step cost: vLLM calls ``cache_blocks`` and ``remove_skipped_blocks`` for every running
+  request every step; neither is wrapped on the class. The scheduler patch's split (called for
+  every request before its allocation) binds :func:`cache_blocks` on the coordinator instance
+  for the next call when the step is a prefill chunk or may fill a Mamba block
+  (``request._hybrid_next_fill``); ``KVCacheManager.cache_blocks`` (the async scheduler's and the KV
+  connector's caching) does the same. :func:`remove_skipped_blocks` is bound while some request
+  holds kept states. A decode step that fills nothing runs vLLM's own methods.
 - How: when a Mamba block becomes full, ``cache_blocks`` records the request it is caching for
   (a context variable) and installs the wrapped ``replay_boundaries`` for that call only
   (vLLM's own runs on every other step), which returns vLLM's positions plus
@@ -103,23 +109,25 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import MethodType
 from typing import Any, NamedTuple
 
 from .. import align, handshake, interior, stats
-from ..compat import same_parameters, signature_problem, version_allows
+from ..compat import signature_problem, version_allows
 from ..trace import trace_event
 from . import patch_vllm_v1_core_kv_cache_manager as manager_patch
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_coordinator"
 TARGET_SYMBOLS = ("replay_boundaries", "KVCacheCoordinator.get_replay_boundaries",
                   "vllm.v1.core.single_type_kv_cache_manager.MambaManager.reachable_block_mask",
+                  "vllm.v1.core.kv_cache_manager.KVCacheManager.cache_blocks",
                   "KVCacheCoordinator.cache_blocks", "HybridKVCacheCoordinator.cache_blocks",
                   "KVCacheCoordinator.free",
                   "KVCacheCoordinator.remove_skipped_blocks",
                   "KVCacheCoordinator.get_num_blocks_to_allocate",
                   "KVCacheCoordinator.allocate_new_blocks",
                   "HybridKVCacheCoordinator.find_longest_cache_hit")
-_WRAPPED = ("free", "remove_skipped_blocks")
+_WRAPPED = ("free",)
 #: Bound on the coordinator instance only inside a multi-token allocation
 #: (``patch_vllm_v1_core_kv_cache_manager.allocation_hooks``): a decode step runs vLLM's own.
 _ALLOCATION_HOOKS = ("get_num_blocks_to_allocate", "allocate_new_blocks")
@@ -202,9 +210,12 @@ def missing() -> list[str]:
         problems.append("replay_boundaries (0.32+), KVCacheCoordinator.get_replay_boundaries "
                         "(0.30/0.31), MambaManager.reachable_block_mask (0.26) or dense Mamba "
                         "retention (0.23)")
-    for name in (*_WRAPPED, *_ALLOCATION_HOOKS, "cache_blocks"):
+    for name in (*_WRAPPED, *_ALLOCATION_HOOKS, "cache_blocks", "remove_skipped_blocks"):
         if not callable(getattr(coordinator, name, None)):
             problems.append(f"KVCacheCoordinator.{name}")
+    kv_manager = manager_patch._manager_class()
+    if not callable(getattr(kv_manager, "cache_blocks", None)):
+        problems.append("KVCacheManager.cache_blocks")
     try:
         mamba = _mamba_manager_class()
     except Exception as exc:
@@ -232,9 +243,10 @@ def missing() -> list[str]:
         (coordinator.free, "KVCacheCoordinator.free", ("self", "request_id")),
     ]
     problems += [problem for problem in [signature_problem(
-        _unwrapped(coordinator.remove_skipped_blocks, "KVCacheCoordinator.remove_skipped_blocks"),
-        "KVCacheCoordinator.remove_skipped_blocks", ("self", "request_id"), closed=False)]
-        if problem]
+        coordinator.remove_skipped_blocks, "KVCacheCoordinator.remove_skipped_blocks",
+        ("self", "request_id"), closed=False)] if problem]
+    signatures.append((kv_manager.cache_blocks, "KVCacheManager.cache_blocks",
+                       ("self", "request", "num_computed_tokens")))
     signatures += [(vars(cls)["cache_blocks"], f"{cls.__name__}.cache_blocks",
                     ("self", "request", "num_computed_tokens"))
                    for cls in _coordinator_classes(module) if "cache_blocks" in vars(cls)]
@@ -431,11 +443,12 @@ def _is_mamba_manager(manager: Any) -> bool:
     return isinstance(getattr(manager, "kv_cache_spec", None), MambaSpec)
 
 
-def _one_per_block_size(coordinator: Any, managers: list[Any]) -> list[Any]:
+def _per_block_size(coordinator: Any) -> list[Any]:
+    """One Mamba manager per Mamba block size (groups of one size cache in lockstep), found once."""
     state = state_of(coordinator)
     known = state.mamba_per_block_size
     if known is None:
-        known = list({m.block_size: m for m in managers}.values())
+        known = list({m.block_size: m for m in _mamba_managers(coordinator)}.values())
         state.mamba_per_block_size = known
     return known
 
@@ -484,6 +497,8 @@ def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolic
                 group_blocks = [m.req_to_blocks[request.request_id][index] for m in managers
                                 if m.block_size == size
                                 and index < len(m.req_to_blocks.get(request.request_id, ()))]
+                if not state.kept_states:
+                    _watch_releases(coordinator)
                 state.kept_states.setdefault(request.request_id, {})[block.block_id] = (
                     block, block.block_hash, [b for b in group_blocks if not b.is_null])
 
@@ -519,28 +534,26 @@ def _release_probation(state: CoordinatorState, block_pool: Any, request_id: str
             if state.ledger.on_probation(key_id, key_hash):
                 front += [b for b in blocks if b.block_hash is not None]
                 state.probation_keys.update((b.block_id, (key_id, key_hash)) for b in blocks)
-    if finished:
+    if finished or not kept:
         state.kept_states.pop(request_id, None)
     if front:
         _evict_first_among_cached(state, block_pool.free_block_queue, front)
 
 
 def remove_skipped_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> None:
-    _ORIGINALS["KVCacheCoordinator.remove_skipped_blocks"](self, request_id, *args, **kwargs)
-    state = getattr(self, "_hybrid_state", None)
-    if state is not None and state.kept_states and request_id in state.kept_states:
+    """vLLM's, then the release of the request's kept states vLLM handed back. Bound on the
+    coordinator instance only while some request holds kept states (:func:`_watch_releases`):
+    most steps call vLLM's own."""
+    type(self).remove_skipped_blocks(self, request_id, *args, **kwargs)
+    state = state_of(self)
+    if request_id in state.kept_states:
         _release_probation(state, self.block_pool, request_id, finished=False)
+    if not state.kept_states:
+        manager_patch.disarm(self, "remove_skipped_blocks")
 
 
-def remove_skipped_blocks_positional(self: Any, request_id: str, processed_computed_tokens: int,
-                                     num_prompt_tokens: int | None = None) -> None:
-    """:func:`remove_skipped_blocks` for a vLLM whose method takes exactly these parameters
-    (0.32): called for every scheduled request each step, it forwards them positionally."""
-    _ORIGINALS["KVCacheCoordinator.remove_skipped_blocks"](
-        self, request_id, processed_computed_tokens, num_prompt_tokens)
-    state = getattr(self, "_hybrid_state", None)
-    if state is not None and state.kept_states and request_id in state.kept_states:
-        _release_probation(state, self.block_pool, request_id, finished=False)
+def _watch_releases(coordinator: Any) -> None:
+    coordinator.remove_skipped_blocks = MethodType(remove_skipped_blocks, coordinator)
 
 
 def _internal_prefill_checkpoints(coordinator: Any) -> bool:
@@ -565,26 +578,50 @@ def _mamba_kinds(coordinator: Any) -> frozenset[str]:
     return state.mamba_kinds
 
 
-def _cache_blocks_of(original: Any) -> Any:
-    """``cache_blocks`` wrapped for one coordinator class that defines its own (0.30's
-    ``HybridKVCacheCoordinator`` overrides the base: a wrapper on the base alone is bypassed)."""
+#: ``_hybrid_next_fill`` of a request in a cache without Mamba groups: nothing to arm for.
+_NEVER = 1 << 62
 
-    def wrapped(self: Any, request: Any, num_computed_tokens: int) -> None:
-        state = getattr(self, "_hybrid_state", None)
-        per_block_size = state.mamba_per_block_size if state is not None else None
-        if per_block_size is None:
-            per_block_size = _one_per_block_size(self, _mamba_managers(self))
-        request_id = request.request_id
-        for manager in per_block_size:  # groups of one size cache in lockstep
-            if manager.num_cached_block.get(request_id, 0) < num_computed_tokens // manager.block_size:
-                _cache_blocks(original, self, request, num_computed_tokens)
-                return
-        # No Mamba block becomes full: the boundaries cannot matter (the hot decode path).
+
+def fills_mamba_block(coordinator: Any, request_id: str, num_tokens: int) -> bool:
+    """Whether caching ``num_tokens`` of the request fills one of its Mamba blocks (then the
+    kept boundaries matter; otherwise vLLM's ``cache_blocks`` alone does the same)."""
+    for manager in _per_block_size(coordinator):
+        if manager.num_cached_block.get(request_id, 0) < num_tokens // manager.block_size:
+            return True
+    return False
+
+
+def watch_caching(coordinator: Any) -> None:
+    """Route the coordinator's next ``cache_blocks`` through :func:`cache_blocks` (bound on the
+    instance). Armed for a prefill chunk and for a decode step that may fill a Mamba block, just
+    before vLLM allocates for it (no other ``cache_blocks`` call comes in between)."""
+    coordinator.cache_blocks = MethodType(cache_blocks, coordinator)
+
+
+def cache_blocks(self: Any, request: Any, num_computed_tokens: int) -> None:
+    """One call's ``cache_blocks`` (armed by :func:`watch_caching`, disarmed here): the class's
+    own (0.30's ``HybridKVCacheCoordinator`` overrides the base's), through
+    :func:`_cache_blocks` when a Mamba block becomes full. Then ``request._hybrid_next_fill``:
+    the cached-token count at which its next Mamba block fills (the scheduler patch arms this
+    once a step may reach it; it sets 0 for each prefill chunk, and where it is absent, a KV
+    connector's load, the next step arms it)."""
+    manager_patch.disarm(self, "cache_blocks")
+    original = type(self).cache_blocks
+    request_id = request.request_id
+    if fills_mamba_block(self, request_id, num_computed_tokens):
+        _cache_blocks(original, self, request, num_computed_tokens)
+    else:
         original(self, request, num_computed_tokens)
+    request._hybrid_next_fill = min(((m.num_cached_block.get(request_id, 0) + 1) * m.block_size
+                                     for m in _per_block_size(self)), default=_NEVER)
 
-    wrapped.__name__ = wrapped.__qualname__ = "cache_blocks"
-    wrapped._hybrid_backends_wrapper = True  # type: ignore[attr-defined]
-    return wrapped
+
+def manager_cache_blocks(self: Any, request: Any, num_computed_tokens: int) -> None:
+    """``KVCacheManager.cache_blocks`` (the async scheduler's per-step caching and the KV
+    connector's): arms the coordinator's when a Mamba block may fill."""
+    if num_computed_tokens >= getattr(request, "_hybrid_next_fill", 0):
+        watch_caching(self.coordinator)
+    _ORIGINALS["KVCacheManager.cache_blocks"](self, request, num_computed_tokens)
 
 
 def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: int) -> None:
@@ -799,12 +836,16 @@ def free(self: Any, request_id: str) -> None:
     if not align.active_policy().suffix_eviction or not _POPS_BLOCKS:
         _ORIGINALS["KVCacheCoordinator.free"](self, request_id)
         _release_probation(state, self.block_pool, request_id, finished=True)
+        if not state.kept_states:
+            manager_patch.disarm(self, "remove_skipped_blocks")
         return
     groups = [(manager.block_size, manager.pop_blocks_for_free(request_id))
               for manager in self.single_type_managers]
     ordered = align.suffix_eviction_order(groups)
     self.block_pool.free_blocks(ordered)
     _release_probation(state, self.block_pool, request_id, finished=True)
+    if not state.kept_states:
+        manager_patch.disarm(self, "remove_skipped_blocks")
 
 
 def keep_resume_state(self: Any, request: Any) -> bool:
@@ -969,6 +1010,8 @@ def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
     allocation = manager_patch.allocating_for.get()
     if allocation is None:  # a decode step, or allocating again without interior blocks
         return count
+    if count > self.block_pool.get_num_free_blocks():
+        return count  # vLLM refuses this allocation with or without interior blocks
     managers = state_of(self).interior_managers
     if managers is None:
         managers = _interior_managers(self)
@@ -1275,8 +1318,8 @@ def _coordinator_classes(module: Any) -> list[type]:
 
 _WRAPPERS: tuple[Any, ...] = (replay_boundaries, get_replay_boundaries, _reachable_block_mask,
                               find_longest_cache_hit, get_num_blocks_to_allocate_without_local,
-                              free, remove_skipped_blocks, remove_skipped_blocks_positional,
-                              get_num_blocks_to_allocate, allocate_new_blocks)
+                              free, get_num_blocks_to_allocate, allocate_new_blocks,
+                              manager_cache_blocks)
 for _wrapper in _WRAPPERS:
     _wrapper._hybrid_backends_wrapper = True
 
@@ -1308,21 +1351,16 @@ def apply() -> None:
         module.HybridKVCacheCoordinator.find_longest_cache_hit = find_longest_cache_hit
     wrap_subclass_hit_searches()
     _BOUNDARY_HOOK = _boundary_hook(module)
-    for cls in _coordinator_classes(module):
-        current = vars(cls).get("cache_blocks")
-        if current is not None and not getattr(current, "_hybrid_backends_wrapper", False):
-            _ORIGINALS[f"{cls.__name__}.cache_blocks"] = current
-            cls.cache_blocks = _cache_blocks_of(current)  # type: ignore[attr-defined]
+    kv_manager = manager_patch._manager_class()
+    if kv_manager.cache_blocks is not manager_cache_blocks:
+        _ORIGINALS["KVCacheManager.cache_blocks"] = kv_manager.cache_blocks
+        kv_manager.cache_blocks = manager_cache_blocks
     for name in _WRAPPED:
         current = getattr(module.KVCacheCoordinator, name)
         if getattr(current, "_hybrid_backends_wrapper", False):
             continue
-        wrapper = globals()[name]
-        if name == "remove_skipped_blocks" and same_parameters(
-                current, remove_skipped_blocks_positional):
-            wrapper = remove_skipped_blocks_positional
         _ORIGINALS[f"KVCacheCoordinator.{name}"] = current
-        setattr(module.KVCacheCoordinator, name, wrapper)
+        setattr(module.KVCacheCoordinator, name, globals()[name])
     for name in _ALLOCATION_HOOKS:
         _ORIGINALS[f"KVCacheCoordinator.{name}"] = getattr(module.KVCacheCoordinator, name)
     manager_patch.allocation_hooks = (
@@ -1349,9 +1387,8 @@ def revert() -> None:
     for form in ("replay_boundaries", "KVCacheCoordinator.get_replay_boundaries",
                  "MambaManager.reachable_block_mask"):
         _ORIGINALS.pop(form, None)
-    for cls in _coordinator_classes(module):
-        if f"{cls.__name__}.cache_blocks" in _ORIGINALS:
-            cls.cache_blocks = _ORIGINALS.pop(f"{cls.__name__}.cache_blocks")  # type: ignore[attr-defined]
+    if "KVCacheManager.cache_blocks" in _ORIGINALS:
+        manager_patch._manager_class().cache_blocks = _ORIGINALS.pop("KVCacheManager.cache_blocks")
     for name in _WRAPPED:
         if f"KVCacheCoordinator.{name}" in _ORIGINALS:
             setattr(module.KVCacheCoordinator, name, _ORIGINALS.pop(f"KVCacheCoordinator.{name}"))

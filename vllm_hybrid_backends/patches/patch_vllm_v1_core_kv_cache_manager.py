@@ -4,19 +4,20 @@
 - Why: ``KVCacheCoordinator.get_num_blocks_to_allocate`` and ``allocate_new_blocks`` get only a
   request id and token counts; where the plugin's interior tail checkpoints fall depends on the
   request's prompt length (see ``patch_vllm_v1_core_kv_cache_coordinator``).
-- How: the wrapper sets :data:`allocating_for` (a context variable) to an :class:`Allocation`
-  for the request while the original runs. Interior blocks are optional: when the coordinator
-  counted some (``Allocation.interior``) and vLLM then found too few free blocks, the wrapper
+- How: :func:`allocate_slots` sets :data:`allocating_for` (a context variable) to an
+  :class:`Allocation` for the request while vLLM's runs. Interior blocks are optional: when the
+  coordinator counted some (``Allocation.interior``) and vLLM then found too few free blocks, it
   allocates once more without them, so they never keep a request from being scheduled.
   The coordinator's ``get_num_blocks_to_allocate`` and ``allocate_new_blocks`` hooks are
   bound on the coordinator instance for that allocation only (:data:`allocation_hooks`).
-  A one-token allocation (a decode step) goes straight to vLLM, and vLLM's own coordinator
-  methods run under it: no other frame of this plugin's. Where the installed
-  ``allocate_slots`` takes exactly the parameters of :func:`allocate_slots_positional` (vLLM
-  0.32), that wrapper is installed: it forwards them positionally, several times cheaper per
-  call than ``*args, **kwargs`` (about 17 calls a step on a decode-heavy batch).
+  It is not installed on the class: the scheduler patch binds it on the manager instance
+  (:func:`arm`) just before vLLM allocates a prefill chunk or a multi-token decode step, and it
+  unbinds itself once the allocation succeeds. A one-token decode step (most calls: one per
+  running request per step) calls vLLM's own ``allocate_slots`` and coordinator methods, with no
+  frame of this plugin's.
 - Upstream: none (no seam passes the request down).
-- vLLM versions: 0.30.x-0.33.x (same signature, checked when it binds).
+- vLLM versions: 0.23.x, 0.26.x, 0.30.x-0.33.x (``self, request, num_new_tokens`` first, checked
+  when the patch applies).
 - Removal: with the interior states of ``patch_vllm_v1_core_kv_cache_coordinator``.
 """
 
@@ -27,15 +28,12 @@ import importlib
 from types import MethodType
 from typing import Any
 
-from ..compat import same_parameters, signature_problem
+from ..compat import signature_problem
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_manager"
 TARGET_SYMBOLS = ("KVCacheManager.allocate_slots",)
 PROCESS = "engine"
 VLLM_VERSIONS = ">=0.23.0,<0.34.0"
-
-_ORIGINALS: dict[str, Any] = {}
-
 
 class Allocation:
     """The request ``allocate_slots`` is allocating for, whether interior blocks were counted,
@@ -76,37 +74,39 @@ def missing() -> list[str]:
         return [f"import {TARGET_MODULE}: {exc}"]
     if not callable(getattr(cls, "allocate_slots", None)):
         return [TARGET_SYMBOLS[0]]
-    problem = signature_problem(_ORIGINALS.get("allocate_slots", cls.allocate_slots),
-                                TARGET_SYMBOLS[0], ("self", "request", "num_new_tokens"),
-                                closed=False)
+    problem = signature_problem(cls.allocate_slots, TARGET_SYMBOLS[0],
+                                ("self", "request", "num_new_tokens"), closed=False)
     return [problem] if problem else []
 
 
+def arm(manager: Any) -> None:
+    """Route ``manager``'s next successful ``allocate_slots`` through :func:`allocate_slots`
+    (bound on the instance): the scheduler patch arms it for a prefill chunk or a multi-token
+    decode step just before vLLM allocates for it, so a one-token decode step calls vLLM's own
+    method, with no frame of this plugin's."""
+    manager.allocate_slots = MethodType(allocate_slots, manager)
+
+
 def allocate_slots(self: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
-    original = _ORIGINALS["allocate_slots"]
-    if num_new_tokens <= 1:  # a decode step: no chunk to plan interior blocks in
-        return original(self, request, num_new_tokens, *args, **kwargs)
-    return _allocate(original, self, request, num_new_tokens, args, kwargs)
+    """Armed on the manager instance (:func:`arm`) for one allocation; disarms once it succeeds
+    (vLLM retries a failed one for the same request after a preemption)."""
+    original = type(self).allocate_slots
+    if num_new_tokens <= 1:  # no chunk to plan interior blocks in
+        blocks = original(self, request, num_new_tokens, *args, **kwargs)
+    else:
+        blocks = _allocate(original, self, request, num_new_tokens, args, kwargs)
+    if blocks is not None:
+        disarm(self, "allocate_slots")
+    return blocks
 
 
-def allocate_slots_positional(self: Any, request: Any, num_new_tokens: int,
-                              num_new_computed_tokens: int = 0, new_computed_blocks: Any = None,
-                              num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
-                              delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
-                              full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
-                              has_scheduled_reqs: bool = True,
-                              skip_zeroing_group_ids: tuple[int, ...] = ()) -> Any:
-    """:func:`allocate_slots` for a vLLM whose ``allocate_slots`` takes exactly these parameters."""
-    original = _ORIGINALS["allocate_slots"]
-    if num_new_tokens <= 1:  # a decode step: no chunk to plan interior blocks in
-        return original(self, request, num_new_tokens, num_new_computed_tokens,
-                        new_computed_blocks, num_lookahead_tokens, num_external_computed_tokens,
-                        delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit,
-                        reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids)
-    return _allocate(original, self, request, num_new_tokens, (
-        num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
-        num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
-        full_sequence_must_fit, reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids), {})
+def disarm(instance: Any, name: str) -> None:
+    """Remove the plugin's method ``name`` bound on ``instance`` (``delattr``: reading the
+    instance's ``__dict__`` would give up its compact attribute storage for good)."""
+    try:
+        delattr(instance, name)
+    except AttributeError:
+        pass  # disarmed already (a nested call)
 
 
 def _allocate(original: Any, manager: Any, request: Any, num_new_tokens: int,
@@ -128,18 +128,10 @@ def _allocate(original: Any, manager: Any, request: Any, num_new_tokens: int,
         allocating_for.reset(token)
 
 
-_WRAPPERS = (allocate_slots, allocate_slots_positional)
-
-
 def apply() -> None:
-    cls = _manager_class()
-    if cls.allocate_slots not in _WRAPPERS:
-        _ORIGINALS["allocate_slots"] = cls.allocate_slots
-        cls.allocate_slots = (allocate_slots_positional
-                              if same_parameters(cls.allocate_slots, allocate_slots_positional)
-                              else allocate_slots)
+    """Nothing on the class: :func:`arm` binds the wrapper per allocation."""
 
 
 def revert() -> None:
-    if "allocate_slots" in _ORIGINALS:
-        _manager_class().allocate_slots = _ORIGINALS.pop("allocate_slots")
+    """Nothing on the class; an instance still armed belongs to an engine built under the
+    plugin."""

@@ -10,7 +10,13 @@
   chunk can end off the Mamba grid and a state is cached under the wrong boundary.
 - How: a decode step (the chunk starts at or past the prefill end, where vLLM's split returns
   the count unchanged: ``tests/test_align.py`` checks it on the installed vLLM) returns at
-  once, the scheduler calls this for every running request each step. Otherwise the original
+  once, the scheduler calls this for every running request each step; it only arms the KV-cache
+  patches for the allocation that follows where that needs them (a multi-token step, a Mamba
+  block that may fill: ``patch_vllm_v1_core_kv_cache_manager.arm``,
+  ``patch_vllm_v1_core_kv_cache_coordinator.watch_caching``), so that every other decode step
+  runs vLLM's own allocation and caching; a prefill chunk arms both. The wrapper sits on the
+  class that defines the split, so subclasses of vLLM's scheduler (its AsyncScheduler,
+  vllm-ascend's) all reach it. Otherwise the original
   decides the chunk; :func:`vllm_hybrid_backends.align.chunk_end` then stops
   it at the first tail checkpoint inside it (``VLLM_HYBRID_TAIL_CHECKPOINTS``) and floors a
   non-final end to the scheduler's LCM block (``VLLM_HYBRID_MAMBA_GRID``). Tail kinds the
@@ -62,6 +68,7 @@ from typing import Any
 from .. import align, junctions, stats
 from ..compat import signature_problem, version_allows
 from . import patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch
+from . import patch_vllm_v1_core_kv_cache_manager as manager_patch
 
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
 TARGET_SYMBOLS = ("Scheduler._mamba_block_aligned_split", "Scheduler.update_from_output",
@@ -74,6 +81,8 @@ VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 _ORIGINALS: dict[str, Any] = {}
 #: Junction methods the patched class inherited (not in its own ``vars``): revert deletes them.
 _INHERITED: set[str] = set()
+#: The class whose ``_mamba_block_aligned_split`` is wrapped.
+_SPLIT_OWNER: list[type] = []
 #: Free blocks a junction state must leave (:func:`_roomy_for_junction`).
 JUNCTION_SPARE_BLOCKS = 64
 
@@ -117,11 +126,25 @@ def _mamba_block_aligned_split(self: Any, request: Any, num_new_tokens: int,
     start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
     prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
     if start >= prefill_end:  # decoding: vLLM splits only prefills, the count stays
+        # Arm the plugin's allocation and caching only where this step needs them (a
+        # multi-token step; a Mamba block that may fill up: at most these tokens are cached);
+        # every other decode step runs vLLM's own methods.
+        if num_new_tokens > 1:
+            manager_patch.arm(self.kv_cache_manager)
+        try:
+            next_fill = request._hybrid_next_fill  # see patch_vllm_v1_core_kv_cache_coordinator
+        except AttributeError:  # not prefilled here (a KV connector's load)
+            next_fill = 0
+        if start + num_new_tokens >= next_fill:
+            coordinator_patch.watch_caching(self.kv_cache_manager.coordinator)
         return num_new_tokens
     scheduled = _ORIGINALS["_mamba_block_aligned_split"](
         self, request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
     if scheduled <= 0:
         return scheduled
+    request._hybrid_next_fill = 0  # found again once this chunk is cached
+    manager_patch.arm(self.kv_cache_manager)  # a prefill chunk: plan its interior blocks,
+    coordinator_patch.watch_caching(self.kv_cache_manager.coordinator)  # keep its boundaries
     policy, interior_states = _split_policy(self)
     admitted = None
     if policy.adaptive_retention:
@@ -299,11 +322,15 @@ def apply() -> None:
     if cls._preempt_request is not _preempt_request:
         _ORIGINALS["_preempt_request"] = cls._preempt_request
         cls._preempt_request = _preempt_request
-    current = cls._mamba_block_aligned_split
+    # on the class that defines it: a scheduler that replaced vLLM's (vllm-ascend's) and
+    # vLLM's AsyncScheduler, subclassed from vLLM's before that, both reach the wrapper
+    owner = next(k for k in cls.__mro__ if "_mamba_block_aligned_split" in vars(k))
+    current = vars(owner)["_mamba_block_aligned_split"]
     if current is _mamba_block_aligned_split:
         return
     _ORIGINALS["_mamba_block_aligned_split"] = current
-    cls._mamba_block_aligned_split = _mamba_block_aligned_split
+    _SPLIT_OWNER[:] = [owner]
+    owner._mamba_block_aligned_split = _mamba_block_aligned_split  # type: ignore[attr-defined]
 
 
 def revert() -> None:
@@ -320,4 +347,6 @@ def revert() -> None:
     if "update_from_output" in _ORIGINALS:
         _scheduler_class().update_from_output = _ORIGINALS.pop("update_from_output")
     if "_mamba_block_aligned_split" in _ORIGINALS:
-        _scheduler_class()._mamba_block_aligned_split = _ORIGINALS.pop("_mamba_block_aligned_split")
+        owner = _SPLIT_OWNER.pop()
+        owner._mamba_block_aligned_split = _ORIGINALS.pop(  # type: ignore[attr-defined]
+            "_mamba_block_aligned_split")
