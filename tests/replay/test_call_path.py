@@ -208,3 +208,47 @@ def test_decode_steps_enter_no_plugin_frame_and_miss_no_full_mamba_block():
     assert decode_allocations["entering the plugin"] < decode_allocations["all"] / 4, (
         decode_allocations, entered)
     assert decode_allocations["armed"] < decode_allocations["all"] / 20, decode_allocations
+
+
+def test_next_fill_stays_a_lower_bound_through_preemptions():
+    """``request._hybrid_next_fill`` (where the split arms the plugin's caching) never exceeds
+    the request's real next Mamba fill at any split, preempted requests included (their blocks,
+    and so their cached count, go), and no fill bypasses the plugin under pressure."""
+    pytest.importorskip("vllm.v1.core.kv_cache_coordinator")
+    module = coordinator_patch._module()
+    split = scheduler_patch._mamba_block_aligned_split.__code__
+    vllm_caching = {vars(cls)["cache_blocks"].__code__
+                    for cls in coordinator_patch._coordinator_classes(module)
+                    if "cache_blocks" in vars(cls)}
+    checks = {"splits": 0, "above the real fill": 0, "fills missed": 0}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        local = frame.f_locals
+        if frame.f_code is split:
+            request = local["request"]
+            known = request.__dict__.get("_hybrid_next_fill")
+            if known is not None:
+                checks["splits"] += 1
+                coordinator = local["self"].kv_cache_manager.coordinator
+                real = min((m.num_cached_block.get(request.request_id, 0) + 1) * m.block_size
+                           for m in coordinator_patch._per_block_size(coordinator))
+                checks["above the real fill"] += known > real
+        elif frame.f_code in vllm_caching and frame.f_back.f_code not in vllm_caching:
+            missed = frame.f_back.f_code is not coordinator_patch._cache_blocks.__code__
+            checks["fills missed"] += missed and coordinator_patch.fills_mamba_block(
+                local["self"], local["request"].request_id, local["num_computed_tokens"])
+
+    # long decodes in a small pool: requests are preempted mid-decode and come back
+    config = ReplayConfig(model_shape="qwen3.5-0.8b", cache_tokens=65_536)
+    trace = make_workload("chat", block_size=config.layout().block_size)
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        result = run_replay(trace, config, get_policy("plugin"))
+    finally:
+        sys.setprofile(previous)
+    assert result.preemptions > 0, "no preemption: the test needs some"
+    assert checks["splits"] > 0, checks
+    assert checks["above the real fill"] == 0 and checks["fills missed"] == 0, checks

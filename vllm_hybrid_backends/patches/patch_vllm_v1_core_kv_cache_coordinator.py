@@ -19,11 +19,15 @@ finished request's cached prefix from its end, all groups together.
   outlive the attention prefix they need and push other prefixes out.
 - Per-step cost: vLLM calls ``cache_blocks`` and ``remove_skipped_blocks`` for every running
   request every step; neither is wrapped on the class. The scheduler patch's split (called for
-  every request before its allocation) binds :func:`cache_blocks` on the coordinator instance
-  for the next call when the step is a prefill chunk or may fill a Mamba block
-  (``request._hybrid_next_fill``); ``KVCacheManager.cache_blocks`` (the async scheduler's and the KV
-  connector's caching) does the same. :func:`remove_skipped_blocks` is bound while some request
-  holds kept states. A decode step that fills nothing runs vLLM's own methods.
+  every request before its allocation, in align mode) binds :func:`cache_blocks` on the
+  coordinator instance for the next call when the step is a prefill chunk or may fill a Mamba
+  block (``request._hybrid_next_fill``); ``KVCacheManager.cache_blocks`` (the KV connector's
+  caching, and the async scheduler's, once per running request per step: that one frame, a
+  comparison, stays on an async decode step) does the same. :func:`remove_skipped_blocks` is
+  bound while some request holds kept states. A synchronous decode step that fills nothing
+  runs vLLM's own methods. Where vLLM never splits (``mamba_cache_mode`` other than align) the
+  synchronous scheduler's fills are not recorded (ledger, stats); the align-mode policy has
+  nothing to keep there.
 - How: when a Mamba block becomes full, ``cache_blocks`` records the request it is caching for
   (a context variable) and installs the wrapped ``replay_boundaries`` for that call only
   (vLLM's own runs on every other step), which returns vLLM's positions plus
@@ -546,6 +550,9 @@ def remove_skipped_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any)
     most steps call vLLM's own."""
     type(self).remove_skipped_blocks(self, request_id, *args, **kwargs)
     state = state_of(self)
+    if "KVCacheCoordinator.free" not in _ORIGINALS:  # the patch was reverted meanwhile
+        manager_patch.disarm(self, "remove_skipped_blocks")
+        return
     if request_id in state.kept_states:
         _release_probation(state, self.block_pool, request_id, finished=False)
     if not state.kept_states:
@@ -594,13 +601,15 @@ def fills_mamba_block(coordinator: Any, request_id: str, num_tokens: int) -> boo
 def watch_caching(coordinator: Any) -> None:
     """Route the coordinator's next ``cache_blocks`` through :func:`cache_blocks` (bound on the
     instance). Armed for a prefill chunk and for a decode step that may fill a Mamba block, just
-    before vLLM allocates for it (no other ``cache_blocks`` call comes in between)."""
+    before vLLM allocates for it: no other ``cache_blocks`` call comes in between in any vLLM
+    version; an arm left over (the request skipped after its split, a failed allocation) serves
+    the next call, for whichever request, as the general wrapper does."""
     coordinator.cache_blocks = MethodType(cache_blocks, coordinator)
 
 
 def cache_blocks(self: Any, request: Any, num_computed_tokens: int) -> None:
     """One call's ``cache_blocks`` (armed by :func:`watch_caching`, disarmed here): the class's
-    own (0.30's ``HybridKVCacheCoordinator`` overrides the base's), through
+    own (0.23-0.31's ``HybridKVCacheCoordinator`` overrides the base's), through
     :func:`_cache_blocks` when a Mamba block becomes full. Then ``request._hybrid_next_fill``:
     the cached-token count at which its next Mamba block fills (the scheduler patch arms this
     once a step may reach it; it sets 0 for each prefill chunk, and where it is absent, a KV

@@ -14,9 +14,10 @@
   patches for the allocation that follows where that needs them (a multi-token step, a Mamba
   block that may fill: ``patch_vllm_v1_core_kv_cache_manager.arm``,
   ``patch_vllm_v1_core_kv_cache_coordinator.watch_caching``), so that every other decode step
-  runs vLLM's own allocation and caching; a prefill chunk arms both. The wrapper sits on the
-  class that defines the split, so subclasses of vLLM's scheduler (its AsyncScheduler,
-  vllm-ascend's) all reach it. Otherwise the original
+  runs vLLM's own allocation and caching; a prefill chunk arms both (and ``_preempt_request``
+  resets the request's next-fill mark: its cached blocks go). Both wrappers sit on the class
+  that defines the method, so subclasses of vLLM's scheduler (its AsyncScheduler,
+  vllm-ascend's) all reach them. Otherwise the original
   decides the chunk; :func:`vllm_hybrid_backends.align.chunk_end` then stops
   it at the first tail checkpoint inside it (``VLLM_HYBRID_TAIL_CHECKPOINTS``) and floors a
   non-final end to the scheduler's LCM block (``VLLM_HYBRID_MAMBA_GRID``). Tail kinds the
@@ -81,8 +82,8 @@ VLLM_VERSIONS = ">=0.23.0,<0.34.0"
 _ORIGINALS: dict[str, Any] = {}
 #: Junction methods the patched class inherited (not in its own ``vars``): revert deletes them.
 _INHERITED: set[str] = set()
-#: The class whose ``_mamba_block_aligned_split`` is wrapped.
-_SPLIT_OWNER: list[type] = []
+#: The classes whose ``_preempt_request`` and ``_mamba_block_aligned_split`` are wrapped.
+_OWNERS: dict[str, type] = {}
 #: Free blocks a junction state must leave (:func:`_roomy_for_junction`).
 JUNCTION_SPARE_BLOCKS = 64
 
@@ -289,6 +290,7 @@ def _junction_targets() -> list[tuple[Any, str, Any]]:
 
 
 def _preempt_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    request._hybrid_next_fill = 0  # its blocks go: none is cached when it comes back
     coordinator = getattr(self.kv_cache_manager, "coordinator", None)
     if coordinator is not None and getattr(self.kv_cache_manager, "enable_caching", False):
         coordinator_patch.keep_resume_state(coordinator, request)
@@ -319,18 +321,15 @@ def apply() -> None:
             if name not in vars(owner):
                 _INHERITED.add(name)
             setattr(owner, name, wrapper)
-    if cls._preempt_request is not _preempt_request:
-        _ORIGINALS["_preempt_request"] = cls._preempt_request
-        cls._preempt_request = _preempt_request
-    # on the class that defines it: a scheduler that replaced vLLM's (vllm-ascend's) and
-    # vLLM's AsyncScheduler, subclassed from vLLM's before that, both reach the wrapper
-    owner = next(k for k in cls.__mro__ if "_mamba_block_aligned_split" in vars(k))
-    current = vars(owner)["_mamba_block_aligned_split"]
-    if current is _mamba_block_aligned_split:
-        return
-    _ORIGINALS["_mamba_block_aligned_split"] = current
-    _SPLIT_OWNER[:] = [owner]
-    owner._mamba_block_aligned_split = _mamba_block_aligned_split  # type: ignore[attr-defined]
+    # on the class that defines each: a scheduler that replaced vLLM's (vllm-ascend's) and
+    # vLLM's AsyncScheduler, subclassed from vLLM's before that, both reach the wrappers
+    for name, wrapper in (("_preempt_request", _preempt_request),
+                          ("_mamba_block_aligned_split", _mamba_block_aligned_split)):
+        owner = next(k for k in cls.__mro__ if name in vars(k))
+        if vars(owner)[name] is not wrapper:
+            _ORIGINALS[name] = vars(owner)[name]
+            _OWNERS[name] = owner
+            setattr(owner, name, wrapper)
 
 
 def revert() -> None:
@@ -342,11 +341,8 @@ def revert() -> None:
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
-    if "_preempt_request" in _ORIGINALS:
-        _scheduler_class()._preempt_request = _ORIGINALS.pop("_preempt_request")
     if "update_from_output" in _ORIGINALS:
         _scheduler_class().update_from_output = _ORIGINALS.pop("update_from_output")
-    if "_mamba_block_aligned_split" in _ORIGINALS:
-        owner = _SPLIT_OWNER.pop()
-        owner._mamba_block_aligned_split = _ORIGINALS.pop(  # type: ignore[attr-defined]
-            "_mamba_block_aligned_split")
+    for name in ("_preempt_request", "_mamba_block_aligned_split"):
+        if name in _ORIGINALS:
+            setattr(_OWNERS.pop(name), name, _ORIGINALS.pop(name))
