@@ -70,6 +70,18 @@ def _calls_during(run: Any, functions: dict[str, tuple[Any, ...]]) -> Counter[st
     return calls
 
 
+def _replay_under(profile: Any, workload: str = "agentic", config: ReplayConfig = CONFIG,
+                  **shape: Any) -> Any:
+    """The plugin's replay of ``workload`` with ``profile`` as the Python profiler."""
+    trace = make_workload(workload, block_size=config.layout().block_size, **shape)
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        return run_replay(trace, config, get_policy("plugin"))
+    finally:
+        sys.setprofile(previous)
+
+
 def test_every_engine_wrapper_runs_inside_vllms_scheduler():
     pytest.importorskip("vllm.v1.core.kv_cache_coordinator")
     module = coordinator_patch._module()
@@ -125,13 +137,7 @@ def test_decode_steps_run_vllms_own_coordinator_methods():
         elif event == "call" and code in boundaries:
             boundary_calls["inside" if open_caching else "outside"] += 1
 
-    trace = make_workload("agentic", block_size=CONFIG.layout().block_size, sessions=2, turns=3)
-    previous = sys.getprofile()
-    sys.setprofile(profile)
-    try:
-        result = run_replay(trace, CONFIG, get_policy("plugin"))
-    finally:
-        sys.setprofile(previous)
+    result = _replay_under(profile, sessions=2, turns=3)
     assert result.patches and result.steps > 0
     assert hook_tokens and min(hook_tokens) > 1, sorted(set(hook_tokens))[:5]
     if boundaries:  # dense retention (0.23) has no boundary wrapper
@@ -195,13 +201,7 @@ def test_decode_steps_enter_no_plugin_frame_and_miss_no_full_mamba_block():
             entered[code.co_name] += 1
             decode_allocations["entering the plugin"] += 1
 
-    trace = make_workload("agentic", block_size=CONFIG.layout().block_size, sessions=2, turns=3)
-    previous = sys.getprofile()
-    sys.setprofile(profile)
-    try:
-        result = run_replay(trace, CONFIG, get_policy("plugin"))
-    finally:
-        sys.setprofile(previous)
+    result = _replay_under(profile, sessions=2, turns=3)
     assert result.patches and result.steps > 0
     assert fills["through the plugin"] > 0 and fills["missed"] == 0, fills
     assert set(entered) <= allowed, entered
@@ -241,14 +241,8 @@ def test_next_fill_stays_a_lower_bound_through_preemptions():
                 local["self"], local["request"].request_id, local["num_computed_tokens"])
 
     # long decodes in a small pool: requests are preempted mid-decode and come back
-    config = ReplayConfig(model_shape="qwen3.5-0.8b", cache_tokens=65_536)
-    trace = make_workload("chat", block_size=config.layout().block_size)
-    previous = sys.getprofile()
-    sys.setprofile(profile)
-    try:
-        result = run_replay(trace, config, get_policy("plugin"))
-    finally:
-        sys.setprofile(previous)
+    result = _replay_under(profile, "chat", ReplayConfig(model_shape="qwen3.5-0.8b",
+                                                         cache_tokens=65_536))
     assert result.preemptions > 0, "no preemption: the test needs some"
     assert checks["splits"] > 0, checks
     assert checks["above the real fill"] == 0 and checks["fills missed"] == 0, checks
