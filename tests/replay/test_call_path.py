@@ -246,3 +246,39 @@ def test_next_fill_stays_a_lower_bound_through_preemptions():
     assert result.preemptions > 0, "no preemption: the test needs some"
     assert checks["splits"] > 0, checks
     assert checks["above the real fill"] == 0 and checks["fills missed"] == 0, checks
+
+
+def test_vllms_async_scheduler_caches_through_the_plugin_too():
+    """vLLM's ``AsyncScheduler`` (vllm serve's default) with the plugin: it also caches each
+    running request after its output (``KVCacheManager.cache_blocks``, whose wrapper runs here);
+    no Mamba fill bypasses the plugin and the replay gives the synchronous scheduler's hits.
+    Steps run one after another here, so every fill comes through the allocation's caching; a
+    fill first reached after an output (overlapping steps) is not exercised."""
+    pytest.importorskip("vllm.v1.core.sched.async_scheduler")
+    module = coordinator_patch._module()
+    vllm_caching = {vars(cls)["cache_blocks"].__code__
+                    for cls in coordinator_patch._coordinator_classes(module)
+                    if "cache_blocks" in vars(cls)}
+    after_output = coordinator_patch.manager_cache_blocks.__code__
+    seen = {"through the plugin": 0, "missed": 0, "after an output": 0}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        if frame.f_code is after_output:
+            seen["after an output"] += 1
+        elif frame.f_code in vllm_caching and frame.f_back.f_code not in vllm_caching:
+            local = frame.f_locals
+            if coordinator_patch.fills_mamba_block(local["self"], local["request"].request_id,
+                                                  local["num_computed_tokens"]):
+                through = frame.f_back.f_code is coordinator_patch._cache_blocks.__code__
+                seen["through the plugin" if through else "missed"] += 1
+
+    trace_args = {"sessions": 2, "turns": 3}
+    result = _replay_under(profile, config=ReplayConfig(async_scheduler=True), **trace_args)
+    assert seen["after an output"] > 0 and seen["through the plugin"] > 0, seen
+    assert seen["missed"] == 0, seen
+    synchronous = run_replay(make_workload("agentic", block_size=CONFIG.layout().block_size,
+                                           **trace_args), CONFIG, get_policy("plugin"))
+    assert not result.mismatches and [r.hit_tokens for r in result.requests.values()] == [
+        r.hit_tokens for r in synchronous.requests.values()]

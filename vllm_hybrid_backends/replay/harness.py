@@ -72,6 +72,10 @@ class ReplayConfig:
     #: vLLM's ``--kv-offloading-size`` (GiB): its OffloadingConnector as a CPU tier
     #: (:mod:`.offload`); None = off. The attention-only bound run stays GPU-only.
     kv_offloading_size: float | None = None
+    #: Drive vLLM's ``AsyncScheduler`` (vllm serve's default with async scheduling) instead of
+    #: ``Scheduler``. Steps still run one after another (each output is processed before the
+    #: next ``schedule``), so its per-request caching after each output runs, without overlap.
+    async_scheduler: bool = False
 
     def resolved_shape(self) -> ModelShape:
         return self.shape if self.shape is not None else get_shape(self.model_shape)
@@ -472,7 +476,10 @@ class _Run:
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(self.setup.hash_block_size, hash_fn)
-        return Scheduler(
+        scheduler: Any = Scheduler
+        if self.config.async_scheduler:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler as scheduler
+        return scheduler(
             vllm_config=config, kv_cache_config=self.setup.kv_cache_config,
             structured_output_manager=StructuredOutputManager(config),
             block_size=self.setup.scheduler_block_size,
