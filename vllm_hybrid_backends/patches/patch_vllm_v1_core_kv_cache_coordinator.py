@@ -844,17 +844,14 @@ def free(self: Any, request_id: str) -> None:
     state.ledger.forget_request(request_id)
     if not align.active_policy().suffix_eviction or not _POPS_BLOCKS:
         _ORIGINALS["KVCacheCoordinator.free"](self, request_id)
+    else:
+        groups = [(manager.block_size, manager.pop_blocks_for_free(request_id))
+                  for manager in self.single_type_managers]
+        self.block_pool.free_blocks(align.suffix_eviction_order(groups))
+    if request_id in state.kept_states:
         _release_probation(state, self.block_pool, request_id, finished=True)
-        if not state.kept_states:
+        if not state.kept_states:  # the last holder: the release wrapper has nothing to do
             manager_patch.disarm(self, "remove_skipped_blocks")
-        return
-    groups = [(manager.block_size, manager.pop_blocks_for_free(request_id))
-              for manager in self.single_type_managers]
-    ordered = align.suffix_eviction_order(groups)
-    self.block_pool.free_blocks(ordered)
-    _release_probation(state, self.block_pool, request_id, finished=True)
-    if not state.kept_states:
-        manager_patch.disarm(self, "remove_skipped_blocks")
 
 
 def keep_resume_state(self: Any, request: Any) -> bool:
