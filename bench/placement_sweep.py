@@ -76,6 +76,8 @@ def sweep_row(workload: str, shape: str, cache_tokens: int, seed: int = 0,
         "recomputed_prompt_tokens": {"upstream": up.recomputed_prompt_tokens,
                                      "plugin": plug.recomputed_prompt_tokens},
         "evictions_mamba": {"upstream": up.evictions_mamba, "plugin": plug.evictions_mamba},
+        # at the row's first unit: requests the plugin hit more / fewer tokens for than upstream
+        "requests_versus_upstream": plug.versus_first,
         "state_mismatches": sum(run.state_mismatches for run in runs),
         "blocks_leaked": sum(run.blocks_leaked for run in runs),
         "wall_s": round(time.perf_counter() - started, 1),
@@ -85,7 +87,11 @@ def sweep_row(workload: str, shape: str, cache_tokens: int, seed: int = 0,
 def row_problems(row: dict[str, Any]) -> list[str]:
     problems = []
     if row["plugin"] < row["upstream"]:
-        problems.append(f"plugin {row['plugin']} < upstream {row['upstream']}")
+        versus = row.get("requests_versus_upstream")
+        problems.append(f"plugin {row['plugin']} < upstream {row['upstream']}" + (
+            "" if not versus else
+            f" (hit less on {versus['requests_fewer']} requests, -{versus['tokens_fewer']:,} "
+            f"tokens; more on {versus['requests_more']}, +{versus['tokens_more']:,})"))
     if row["state_mismatches"]:
         problems.append(f"{row['state_mismatches']} state mismatches")
     if row["blocks_leaked"]:

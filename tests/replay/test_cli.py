@@ -197,3 +197,33 @@ def test_trace_flags_need_a_trace(capsys):
     assert main(["replay", "--workload", "short", "--limit", "3"]) == 2
     assert "--hash-block-size, --time-scale and --limit apply to --trace only" in \
         capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_report_counts_requests_hitting_more_and_less_than_the_first_policy():
+    from vllm_hybrid_backends.replay.report import compare_policies, render_table
+    from vllm_hybrid_backends.replay.workloads import make_workload
+
+    config = ReplayConfig(model_shape="qwen3.5-0.8b", cache_tokens=65_536)
+    trace = make_workload("agentic", block_size=config.layout().block_size, seed=0)
+    report = compare_policies(trace, config, ["upstream", "plugin"])
+    upstream, plugin = report.policies["upstream"], report.policies["plugin"]
+    assert upstream.versus_first is None
+    versus = plugin.versus_first
+    assert versus is not None and versus["against"] == "upstream"
+    # the per-request sums agree with the two hit rates, computed from the runs separately
+    net = round((plugin.token_hit_rate - upstream.token_hit_rate) * trace.num_prompt_tokens)
+    assert versus["tokens_more"] - versus["tokens_fewer"] == net != 0
+    assert versus["requests_more"] > 0 and versus["tokens_more"] > 0
+    assert versus["requests_more"] + versus["requests_fewer"] <= len(trace.requests)
+    table = render_table(report)
+    assert ("requests hitting more than upstream" in table
+            and f"{versus['requests_more']} (+{versus['tokens_more']:,})" in table)
+    assert f"{versus['requests_fewer']} (-{versus['tokens_fewer']:,})" in table
+
+
+def test_request_differences_need_the_same_requests():
+    from vllm_hybrid_backends.replay.metrics import request_differences
+
+    with pytest.raises(ValueError, match=r"different requests \(2 and 1\); allowed: runs of one"):
+        request_differences({"a": 1, "b": 2}, {"a": 1}, "upstream")

@@ -141,6 +141,9 @@ class PolicyMetrics:
     external_hit_rate: float = 0.0
     #: With vLLM's CPU tier (``--kv-offloading-size``): what it stored and loaded.
     offload: dict[str, Any] | None = None
+    #: Against the first policy of the comparison (:func:`request_differences`): how many
+    #: requests hit more / fewer prompt tokens at first admission, and how many tokens.
+    versus_first: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in vars(self).items()}
@@ -198,3 +201,18 @@ def policy_metrics(trace: Trace, hybrid: RunResult, bound: RunResult) -> PolicyM
         / prompt_tokens,
         offload=hybrid.offload,
     )
+
+
+def request_differences(baseline: dict[str, int], other: dict[str, int],
+                        against: str) -> dict[str, Any]:
+    """Per request, first-admission hit tokens of ``other`` against ``baseline`` (request id ->
+    hit tokens, the same requests): how many requests hit more and fewer, and by how many tokens
+    in all. A hit-rate difference made of a few requests moved by a changed schedule reads
+    differently from one every request shares."""
+    if baseline.keys() != other.keys():
+        raise ValueError(f"the runs replayed different requests ({len(baseline)} and "
+                         f"{len(other)}); allowed: runs of one trace")
+    more = [other[k] - baseline[k] for k in baseline if other[k] > baseline[k]]
+    fewer = [baseline[k] - other[k] for k in baseline if other[k] < baseline[k]]
+    return {"against": against, "requests_more": len(more), "tokens_more": sum(more),
+            "requests_fewer": len(fewer), "tokens_fewer": sum(fewer)}

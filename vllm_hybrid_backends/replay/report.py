@@ -9,7 +9,7 @@ from typing import Any
 
 from ..compat import installed_vllm_version
 from .harness import MISS_REASONS, ReplayConfig, prefix_match_units, run_replay
-from .metrics import GAP_CAUSES, PolicyMetrics, policy_metrics
+from .metrics import GAP_CAUSES, PolicyMetrics, policy_metrics, request_differences
 from .policy import get_policy
 from .workloads import Trace
 
@@ -77,18 +77,24 @@ def compare_policies(trace: Trace, config: ReplayConfig, policies: Sequence[str]
     if timing_repeats < 1:
         raise ValueError(f"timing_repeats={timing_repeats}: allowed values are integers >= 1")
     report: Report | None = None
+    first_hits: dict[str, int] | None = None
     for name in policies:
         policy = get_policy(name)
         bound = run_replay(trace, config, policy, attention_only=True, progress=progress)
         hybrid = run_replay(trace, config, policy, progress=progress,
                             bound_hits={k: r.hit_tokens for k, r in bound.requests.items()})
+        hits = {k: r.hit_tokens for k, r in hybrid.requests.items()}
         if report is None:
             report = Report(trace, config, hybrid.block_size, hybrid.num_blocks,
                             hybrid.pool_bytes)
+            first_hits = hits
         report.policies[name] = replace(policy_metrics(trace, hybrid, bound),
                                         prefix_match_unit=config.prefix_match_unit
                                         or hybrid.block_size,
-                                        sched_step_us_runs=[hybrid.sched_step_us_median])
+                                        sched_step_us_runs=[hybrid.sched_step_us_median],
+                                        versus_first=None if hits is first_hits else
+                                        request_differences(first_hits or {}, hits,
+                                                            policies[0]))
     assert report is not None, "no policy given"
     for _ in range(timing_repeats - 1):
         for name in policies:
@@ -208,6 +214,11 @@ def render_table(report: Report) -> str:
     row("preemptions", [str(m[n].preemptions) for n in names])
     row("recomputed after preemption", [f"{m[n].recomputed_tokens:,}" for n in names])
     row("  of which prompt tokens", [f"{m[n].recomputed_prompt_tokens:,}" for n in names])
+    if len(names) > 1 and m[names[1]].versus_first is not None:
+        row(f"requests hitting more than {names[0]}", [_versus(m[n].versus_first, "more")
+                                                      for n in names])
+        row(f"requests hitting less than {names[0]}", [_versus(m[n].versus_first, "fewer")
+                                                      for n in names])
     if any(m[n].offload is not None for n in names):
         _tier_rows(row, [m[n] for n in names])
     row("state mismatches (checks)",
@@ -230,6 +241,14 @@ def render_table(report: Report) -> str:
         for example in m[n].mismatch_examples:
             lines.append(f"{n}: MISMATCH {example}")
     return "\n".join(lines)
+
+
+def _versus(differences: dict[str, Any] | None, side: str) -> str:
+    """``requests (tokens)`` of one side of :func:`request_differences`; ``-`` for the first."""
+    if differences is None:
+        return "-"
+    sign = "+" if side == "more" else "-"
+    return f"{differences['requests_' + side]} ({sign}{differences['tokens_' + side]:,})"
 
 
 def _tier_rows(row: Any, metrics: Sequence[PolicyMetrics]) -> None:
