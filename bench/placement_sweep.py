@@ -76,7 +76,8 @@ def sweep_row(workload: str, shape: str, cache_tokens: int, seed: int = 0,
         "recomputed_prompt_tokens": {"upstream": up.recomputed_prompt_tokens,
                                      "plugin": plug.recomputed_prompt_tokens},
         "evictions_mamba": {"upstream": up.evictions_mamba, "plugin": plug.evictions_mamba},
-        # at the row's first unit: requests the plugin hit more / fewer tokens for than upstream
+        # requests the plugin hit more / fewer tokens for than upstream, both at the run's
+        # unit (--prefix-match-unit N: the *_at_unit rates; else the block)
         "requests_versus_upstream": plug.versus_first,
         "state_mismatches": sum(run.state_mismatches for run in runs),
         "blocks_leaked": sum(run.blocks_leaked for run in runs),

@@ -149,6 +149,10 @@ def test_best_unit_sweep_reports_each_policy_at_its_best_unit():
         assert report.unit_sweep[name][metrics.prefix_match_unit] == best
     alone = _metrics(trace, _tiny(block_size=16, prefix_match_unit=4))[2]
     assert report.unit_sweep["upstream"][4] == alone.token_hit_rate
+    # the per-request comparison holds only between runs at one unit
+    units = {name: metrics.prefix_match_unit for name, metrics in report.policies.items()}
+    assert report.policies["upstream"].versus_first is None
+    assert (report.policies["plugin"].versus_first is None) == (units["plugin"] != units["upstream"])
 
 
 def test_a_unit_on_a_vllm_without_prefix_match_unit_is_refused(monkeypatch):
@@ -156,3 +160,31 @@ def test_a_unit_on_a_vllm_without_prefix_match_unit_is_refused(monkeypatch):
     with pytest.raises(ReplayVersionError, match=r"prefix_match_unit=4: vLLM .* has no "
                        r"CacheConfig.prefix_match_unit \(sub-block hits need vLLM 0.32\+\)"):
         run_replay(_branching_trace(), _tiny(prefix_match_unit=4), get_policy("upstream"))
+
+
+@pytest.mark.slow
+@needs_prefix_match_unit
+@pytest.mark.parametrize("plugin_prefers_fine", [True, False], ids=["units-differ", "same-unit"])
+def test_the_best_unit_sweep_compares_requests_only_at_one_unit(monkeypatch, plugin_prefers_fine):
+    from dataclasses import replace
+
+    from vllm_hybrid_backends.replay import report as report_module
+
+    real = report_module.compare_policies
+
+    def compare(trace, config, policies, *args, **kwargs):  # upstream's best unit is 16
+        result = real(trace, config, policies, *args, **kwargs)
+        unit = result.policies["upstream"].prefix_match_unit
+        for name, metrics in result.policies.items():
+            prefers_fine = name == "plugin" and plugin_prefers_fine
+            result.policies[name] = replace(metrics, token_hit_rate=1 / unit if prefers_fine
+                                            else unit / 100)
+        return result
+
+    monkeypatch.setattr(report_module, "compare_policies", compare)
+    report = sweep_prefix_match_units(_branching_trace(), _tiny(block_size=16),
+                                      ["upstream", "plugin"], min_unit=4)
+    units = {name: metrics.prefix_match_unit for name, metrics in report.policies.items()}
+    assert units == {"upstream": 16, "plugin": 4 if plugin_prefers_fine else 16}
+    versus = report.policies["plugin"].versus_first
+    assert (versus is None) == plugin_prefers_fine

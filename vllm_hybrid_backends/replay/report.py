@@ -168,6 +168,10 @@ def sweep_prefix_match_units(trace: Trace, config: ReplayConfig, policies: Seque
                 best.policies[name] = metrics
     assert best is not None, "no unit to sweep"
     best.unit_sweep = sweep
+    first = best.policies[policies[0]].prefix_match_unit
+    for name, metrics in best.policies.items():  # compared at one unit: only that unit's
+        if metrics.prefix_match_unit != first:
+            best.policies[name] = replace(metrics, versus_first=None)
     return best
 
 
