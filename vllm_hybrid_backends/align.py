@@ -33,6 +33,11 @@ per-request paths then read no environment variable):
   cannot be hit without it, and a state cannot be hit without the attention blocks before it).
   vLLM frees group by group, so every attention block of a request is evicted before any of
   its Mamba states: kept snapshots then push attention prefixes out of the cache.
+- ``VLLM_HYBRID_COHERENT_EVICTION`` (default 1): when the pool evicts a cached block, also evict
+  the free blocks of the Mamba groups (of the same block size) that hold the state at that
+  position: a hit needs the state in every Mamba group and the attention block, so those are
+  dead weight (vLLM leaves them until the LRU order reaches them, and lookups stop short there:
+  ``groups_disagreed`` in the replay's misses). They join the uncached free blocks, taken first.
 - ``VLLM_HYBRID_ADAPTIVE_RETENTION`` (default 1): keep tail and decode states only while
   states of that kind are being reused (:class:`RetentionLedger`); a kind that is not (decode
   states on agentic prompts that insert the answer before a fixed tail; tail states on chat
@@ -80,6 +85,7 @@ TAIL_CHECKPOINTS_ENV = "VLLM_HYBRID_TAIL_CHECKPOINTS"
 DECODE_CHECKPOINTS_ENV = "VLLM_HYBRID_DECODE_CHECKPOINTS"
 MAMBA_GRID_ENV = "VLLM_HYBRID_MAMBA_GRID"
 SUFFIX_EVICTION_ENV = "VLLM_HYBRID_SUFFIX_EVICTION"
+COHERENT_EVICTION_ENV = "VLLM_HYBRID_COHERENT_EVICTION"
 ADAPTIVE_RETENTION_ENV = "VLLM_HYBRID_ADAPTIVE_RETENTION"
 INTERIOR_STATES_ENV = "VLLM_HYBRID_INTERIOR_STATES"
 DECODE_MAX_STEPS_ENV = "VLLM_HYBRID_DECODE_CHECKPOINT_MAX_STEPS"
@@ -109,6 +115,8 @@ class AlignPolicy:
     decode_checkpoints: bool | None = None
     mamba_grid: bool = True
     suffix_eviction: bool = True
+    #: evict a state's blocks in every Mamba group once one of them, or its attention block, goes
+    coherent_eviction: bool = True
     adaptive_retention: bool = True
     interior_states: bool = True
     #: a tail state at every block up to the reach (set by :func:`policy_for_model` where
@@ -170,6 +178,7 @@ def current_policy() -> AlignPolicy:
         decode_checkpoints=_optional_flag(DECODE_CHECKPOINTS_ENV),
         mamba_grid=_flag(MAMBA_GRID_ENV, True),
         suffix_eviction=_flag(SUFFIX_EVICTION_ENV, True),
+        coherent_eviction=_flag(COHERENT_EVICTION_ENV, True),
         adaptive_retention=_flag(ADAPTIVE_RETENTION_ENV, True),
         interior_states=_flag(INTERIOR_STATES_ENV, True),
         subblock_junctions=_flag(SUBBLOCK_JUNCTIONS_ENV, True),

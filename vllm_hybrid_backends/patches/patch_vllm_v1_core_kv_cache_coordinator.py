@@ -83,6 +83,13 @@ finished request's cached prefix from its end, all groups together.
   interior blocks when the pool cannot give them. Requests with a partial-block hit,
   speculative blocks or an internal prefill checkpoint keep vLLM's allocation (the scheduler
   then splits, as before).
+- Coherent eviction (``VLLM_HYBRID_COHERENT_EVICTION``): the block pool's
+  ``_maybe_evict_cached_block`` is wrapped on the pool instance (:func:`_evict_coherently`, at
+  the first caching the plugin sees): a block evicted under ``(hash, group)``, with no other
+  block holding that key, takes along the free blocks cached under that hash in the other
+  Mamba groups of its block size (vLLM evicts group by group in LRU order, leaving states a
+  lookup cannot use: the replay's ``groups_disagreed`` misses). They join the uncached blocks
+  at the front of the free queue.
 - State: the ledger, the kept states, the probation segment and the managers found once live
   in one :class:`CoordinatorState` per coordinator (:func:`state_of`), so two engines in one
   process (the replay's upstream and plugin runs) share nothing.
@@ -188,6 +195,9 @@ class CoordinatorState:
     blocks_per_boundary: tuple[int, float] | None = None
     #: (the active policy, that policy as it applies to this model), derived once per policy
     cache_policy: tuple[align.AlignPolicy, align.AlignPolicy] | None = None
+    #: Whether the block pool's evictions take a state's other Mamba groups along
+    #: (:func:`_evict_coherently`).
+    evicts_coherently: bool = False
 
 
 def state_of(coordinator: Any) -> CoordinatorState:
@@ -642,6 +652,8 @@ def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: i
     taken = _boundary_taken_by_checkpoint(managers[0], num_computed_tokens)
     if taken:
         memo[_TAKEN_BY_CHECKPOINT] = taken
+    if policy.coherent_eviction and not state.evicts_coherently:
+        _evict_coherently(self, state)
     before = managers[0].num_cached_block.get(request.request_id, 0)
     with _keeping_boundaries(request, policy, memo, state.ledger):
         original(self, request, num_computed_tokens)
@@ -710,6 +722,55 @@ def cached_hashes(pool: Any, block: Any) -> list[Any]:
     extra = getattr(pool, "cached_block_hashes_by_block", None)
     keys = [block.block_hash, *(extra.get(block.block_id, ()) if extra is not None else ())]
     return [key for key in keys if key is not None]
+
+
+def _evict_coherently(coordinator: Any, state: CoordinatorState) -> None:
+    """Wrap the block pool's ``_maybe_evict_cached_block`` (on the instance, once): when it
+    evicts a block cached under ``(hash, group)``, the free blocks cached under that hash in the
+    other Mamba groups of the same block size (the state at that position) are evicted too and
+    moved to the front of the free queue, with the uncached blocks. A hit needs all of them and
+    the attention block there; one gone, the rest only hold blocks. Runs per block vLLM takes
+    from the free queue; an uncached one returns after one comparison."""
+    from vllm.v1.core.kv_cache_utils import (
+        get_block_hash,
+        get_group_id,
+        make_block_hash_with_group_id,
+    )
+
+    state.evicts_coherently = True
+    managers = coordinator.single_type_managers
+    mamba = [(gid, m.block_size) for gid, m in enumerate(managers) if _is_mamba_manager(m)]
+    siblings = {gid: [other for other, size in mamba if other != gid and size == m.block_size]
+                for gid, m in enumerate(managers)}
+    if not any(siblings.values()):
+        return
+    pool = coordinator.block_pool
+    original = pool._maybe_evict_cached_block
+    cached = pool.cached_block_hash_to_block
+    queue = pool.free_block_queue
+
+    def maybe_evict_cached_block(block: Any) -> bool:
+        if block.block_hash is None:
+            return bool(original(block))
+        keys = cached_hashes(pool, block)
+        if not original(block):
+            return False
+        dead = []
+        for key in keys:
+            if cached.get_one_block(key) is not None:
+                continue  # another block holds the same prefix: nothing is lost
+            block_hash = get_block_hash(key)
+            for group in siblings.get(get_group_id(key), ()):
+                other = cached.get_one_block(make_block_hash_with_group_id(block_hash, group))
+                if (other is not None and other.ref_cnt == 0 and other.prev_free_block is not None
+                        and original(other)):
+                    queue.remove(other)
+                    dead.append(other)
+        if dead:
+            queue.prepend_n(dead)
+        return True
+
+    pool._maybe_evict_cached_block = maybe_evict_cached_block
 
 
 def _count_evictions(pool: Any, mamba_groups: set[int]) -> None:
