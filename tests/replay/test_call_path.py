@@ -147,7 +147,8 @@ def test_decode_steps_run_vllms_own_coordinator_methods():
 def test_decode_steps_enter_no_plugin_frame_and_miss_no_full_mamba_block():
     """vLLM's one-token ``allocate_slots`` (a decode step: one call per running request per
     step) enters a frame of this plugin only to keep the boundaries of a Mamba block it fills,
-    to release kept states or to take a new block (the probation queue); and every
+    to release kept states or to take a new block (the probation queue, coherent eviction: once
+    per block a request fills, not per step); and every
     ``cache_blocks`` call that fills a Mamba block, from whichever caller, runs through the
     plugin's (the arming in the split misses none)."""
     pytest.importorskip("vllm.v1.core.kv_cache_coordinator")
@@ -159,7 +160,8 @@ def test_decode_steps_enter_no_plugin_frame_and_miss_no_full_mamba_block():
                     for cls in coordinator_patch._coordinator_classes(module)
                     if "cache_blocks" in vars(cls)}
     allowed = {coordinator_patch.cache_blocks.__name__,
-               coordinator_patch.remove_skipped_blocks.__name__, "popleft_n"}
+               coordinator_patch.remove_skipped_blocks.__name__, "popleft_n",
+               "maybe_evict_cached_block"}
     open_allocations: list[int] = []
     entered: Counter[str] = Counter()
     fills = {"through the plugin": 0, "missed": 0}

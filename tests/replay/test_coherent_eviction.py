@@ -76,7 +76,9 @@ def test_no_state_is_left_cached_in_part_of_its_groups(monkeypatch):
     assert _unusable_states(coordinator) == 0
 
 
-@pytest.mark.skipif(not version_allows(">=0.30"), reason="measured on the 0.30+ engines only")
+@pytest.mark.skipif(not version_allows(">=0.32"), reason=(
+    "measured on 0.32+; the 0.30 and 0.31 engines leave no partial state at the end of this "
+    "row (their evictions fall differently), the BlockPool test below covers the rule there"))
 def test_without_it_evictions_leave_states_cached_in_part_of_their_groups(monkeypatch):
     monkeypatch.setenv("VLLM_HYBRID_COHERENT_EVICTION", "0")
     coordinator, _ = _replayed_coordinator(monkeypatch)
@@ -87,13 +89,10 @@ def test_without_it_evictions_leave_states_cached_in_part_of_their_groups(monkey
 def _pool_with_two_mamba_groups() -> tuple[Any, Any, Any]:
     """vLLM's block pool behind a coordinator of one attention group and two Mamba groups of
     one block size, the plugin's eviction hook installed; the request's hash for a key."""
-    import inspect
     from types import SimpleNamespace
 
     from vllm.v1.core.block_pool import BlockPool
 
-    if "hash_block_size" not in inspect.signature(BlockPool).parameters:
-        pytest.skip("BlockPool without hash_block_size (before vLLM 0.32): built differently")
     pool = BlockPool(num_gpu_blocks=12, enable_caching=True, hash_block_size=4)
     managers = [SimpleNamespace(block_size=4),
                 *(SimpleNamespace(block_size=4, has_prefill_checkpoint_blocks=False)
