@@ -6,6 +6,7 @@ is six blocks; a 63-block pool)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -86,14 +87,12 @@ def test_without_it_evictions_leave_states_cached_in_part_of_their_groups(monkey
     assert _unusable_states(coordinator) > 0
 
 
-def _pool_with_two_mamba_groups() -> tuple[Any, Any, Any]:
+def _pool_with_two_mamba_groups(hash_block_size: int = 4) -> tuple[Any, Any, Any]:
     """vLLM's block pool behind a coordinator of one attention group and two Mamba groups of
     one block size, the plugin's eviction hook installed; the request's hash for a key."""
-    from types import SimpleNamespace
-
     from vllm.v1.core.block_pool import BlockPool
 
-    pool = BlockPool(num_gpu_blocks=12, enable_caching=True, hash_block_size=4)
+    pool = BlockPool(num_gpu_blocks=12, enable_caching=True, hash_block_size=hash_block_size)
     managers = [SimpleNamespace(block_size=4),
                 *(SimpleNamespace(block_size=4, has_prefill_checkpoint_blocks=False)
                   for _ in range(2))]
@@ -139,3 +138,37 @@ def test_evicting_one_group_of_a_state_evicts_the_others_unless_a_copy_remains()
     pool.get_new_blocks(1)  # evicts `lone_attention`: the state after it is unreachable
     assert not _cached(pool, alone, 1) and not _cached(pool, alone, 2)
     assert pool.get_num_free_blocks() == 2
+
+
+def test_a_sub_block_attention_key_takes_no_state_along():
+    """With ``prefix_match_unit`` below the block an attention block can be cached under a key
+    ending inside it (here: 2 tokens of a 4-token block); its tokens may still be reached through
+    another block, so the Mamba states under that key stay."""
+    pool, _, _ = _pool_with_two_mamba_groups(hash_block_size=2)
+    key = b"p" * 32
+    attention, state_1, state_2 = pool.get_new_blocks(3)
+    for block, group in ((attention, 0), (state_1, 1), (state_2, 2)):
+        request = SimpleNamespace(block_hashes=[key], request_id="r")
+        pool.cache_full_blocks(request, [block], 0, 1, 2, group)  # keyed at 2 tokens
+    pool.free_blocks([attention, state_1, state_2])
+    pool.get_new_blocks(pool.get_num_free_blocks() - 2)  # evicts `attention`
+    assert attention.block_hash is None
+    assert _cached(pool, key, 1) and _cached(pool, key, 2)
+
+
+def test_states_evicted_along_are_counted_in_the_stats(monkeypatch):
+    from vllm_hybrid_backends import stats
+
+    monkeypatch.setattr(stats, "enabled", True)
+    stats.reset()
+    pool, cache, _ = _pool_with_two_mamba_groups()
+    key = b"k" * 32
+    attention, state_1, state_2 = pool.get_new_blocks(3)
+    for block, group in ((attention, 0), (state_1, 1), (state_2, 2)):
+        cache(block, key, group)
+    stats.record_kept("tail", state_2)  # kept by the plugin, evicted along with `attention`
+    pool.free_blocks([attention, state_1, state_2])
+    pool.get_new_blocks(pool.get_num_free_blocks() - 2)  # evicts `attention`
+    assert state_2.block_hash is None
+    assert stats.COUNTERS[stats.key("evicted", "tail")] == 1
+    stats.reset()

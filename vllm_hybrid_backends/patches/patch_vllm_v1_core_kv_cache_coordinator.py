@@ -726,11 +726,14 @@ def cached_hashes(pool: Any, block: Any) -> list[Any]:
 
 def _evict_coherently(coordinator: Any, state: CoordinatorState) -> None:
     """Wrap the block pool's ``_maybe_evict_cached_block`` (on the instance, once): when it
-    evicts a block cached under ``(hash, group)``, the free blocks cached under that hash in the
-    other Mamba groups of the same block size (the state at that position) are evicted too and
-    moved to the front of the free queue, with the uncached blocks. A hit needs all of them and
-    the attention block there; one gone, the rest only hold blocks. Runs per block vLLM takes
-    from the free queue; an uncached one returns after one comparison."""
+    evicts a block cached under ``(hash, group)`` and no other block holds that key, the free
+    blocks cached under that hash in the other Mamba groups of the same block size (the state
+    at that position) are evicted too and moved to the front of the free queue, with the
+    uncached blocks. A hit needs all of them and the attention block there; one gone, the rest
+    only hold blocks. From an attention group only a key that ends a full block counts: with
+    ``prefix_match_unit`` a sub-block key's tokens may still be reached through another block.
+    Runs per block vLLM takes from the free queue; an uncached one returns after one
+    comparison."""
     from vllm.v1.core.kv_cache_utils import (
         get_block_hash,
         get_group_id,
@@ -740,8 +743,10 @@ def _evict_coherently(coordinator: Any, state: CoordinatorState) -> None:
     state.evicts_coherently = True
     managers = coordinator.single_type_managers
     mamba = [(gid, m.block_size) for gid, m in enumerate(managers) if _is_mamba_manager(m)]
+    mamba_ids = {gid for gid, _ in mamba}
     siblings = {gid: [other for other, size in mamba if other != gid and size == m.block_size]
                 for gid, m in enumerate(managers)}
+    sizes = [m.block_size for m in managers]
     if not any(siblings.values()):
         return
     pool = coordinator.block_pool
@@ -750,22 +755,34 @@ def _evict_coherently(coordinator: Any, state: CoordinatorState) -> None:
     queue = pool.free_block_queue
 
     def maybe_evict_cached_block(block: Any) -> bool:
-        if block.block_hash is None:
+        primary = block.block_hash
+        if primary is None:
             return bool(original(block))
+        tokens = getattr(block, "block_hash_num_tokens", None)
         keys = cached_hashes(pool, block)
         if not original(block):
             return False
         dead = []
         for key in keys:
+            group = get_group_id(key)
+            if group not in mamba_ids and (key != primary or (
+                    tokens is not None and tokens % sizes[group])):
+                continue  # a sub-block attention key: its tokens may be held elsewhere
             if cached.get_one_block(key) is not None:
                 continue  # another block holds the same prefix: nothing is lost
             block_hash = get_block_hash(key)
-            for group in siblings.get(get_group_id(key), ()):
-                other = cached.get_one_block(make_block_hash_with_group_id(block_hash, group))
-                if (other is not None and other.ref_cnt == 0 and other.prev_free_block is not None
-                        and original(other)):
+            for other_group in siblings.get(group, ()):
+                other = cached.get_one_block(make_block_hash_with_group_id(block_hash,
+                                                                           other_group))
+                if other is None or other.ref_cnt or other.prev_free_block is None:
+                    continue
+                other_keys = cached_hashes(pool, other) if stats.enabled else ()
+                if original(other):
                     queue.remove(other)
                     dead.append(other)
+                    if other_keys:  # the stats wrapper, if any, sits outside this one
+                        stats.record_evicted(other.block_id,
+                                             [k for k in other_keys if get_group_id(k) in mamba_ids])
         if dead:
             queue.prepend_n(dead)
         return True
