@@ -67,24 +67,21 @@ def _unusable_states(coordinator: Any) -> int:
     return unusable
 
 
-@pytest.mark.skipif(not version_allows(">=0.26"), reason=(
-    "vLLM 0.23 keeps every Mamba state (dense retention) and the plugin plans no interior "
-    "state there; the rows this guards are measured on 0.30+"))
-def test_no_state_is_left_cached_in_part_of_its_groups(monkeypatch):
-    monkeypatch.setenv("VLLM_HYBRID_COHERENT_EVICTION", "1")
+@pytest.mark.parametrize("coherent", [
+    pytest.param(True, id="on", marks=pytest.mark.skipif(not version_allows(">=0.26"), reason=(
+        "vLLM 0.23 keeps every Mamba state (dense retention) and the plugin plans no interior "
+        "state there; the rows this guards are measured on 0.30+"))),
+    pytest.param(False, id="off", marks=pytest.mark.skipif(not version_allows(">=0.32"), reason=(
+        "measured on 0.32+; the 0.30 and 0.31 engines leave no partial state at the end of "
+        "this row (their evictions fall differently); the BlockPool tests cover the rule"))),
+])
+def test_states_left_cached_in_part_of_their_groups(monkeypatch, coherent):
+    monkeypatch.setenv("VLLM_HYBRID_COHERENT_EVICTION", "1" if coherent else "0")
     coordinator, run = _replayed_coordinator(monkeypatch)
     assert run.evictions_mamba > 0, "the row must evict states"
-    assert _unusable_states(coordinator) == 0
-
-
-@pytest.mark.skipif(not version_allows(">=0.32"), reason=(
-    "measured on 0.32+; the 0.30 and 0.31 engines leave no partial state at the end of this "
-    "row (their evictions fall differently), the BlockPool test below covers the rule there"))
-def test_without_it_evictions_leave_states_cached_in_part_of_their_groups(monkeypatch):
-    monkeypatch.setenv("VLLM_HYBRID_COHERENT_EVICTION", "0")
-    coordinator, _ = _replayed_coordinator(monkeypatch)
-    # measured on 0.32: 2 of 14 cached states; the check above can fail
-    assert _unusable_states(coordinator) > 0
+    unusable = _unusable_states(coordinator)
+    # without the rule some are left (measured on 0.32: 2 of 14 cached states)
+    assert unusable == 0 if coherent else unusable > 0
 
 
 def _pool_with_two_mamba_groups(hash_block_size: int = 4) -> tuple[Any, Any, Any]:
