@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from vllm_hybrid_backends import align
 from vllm_hybrid_backends.compat import version_allows
 from vllm_hybrid_backends.patches import (
     patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch,
@@ -27,17 +28,19 @@ CONFIG = ReplayConfig(model_shape="nemotron-h-8b", cache_tokens=65_536)
 def _replayed_coordinator(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
     """The plugin's replay of the agentic workload; its KV-cache coordinator, and the run."""
     seen: list[Any] = []
-    real = coordinator_patch._cache_blocks
+    real = coordinator_patch.state_of
 
-    def cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: int) -> None:
+    def state_of(coordinator: Any) -> Any:
         if not seen:
-            seen.append(self)
-        real(original, self, request, num_computed_tokens)
+            seen.append(coordinator)
+        return real(coordinator)
 
-    monkeypatch.setattr(coordinator_patch, "_cache_blocks", cache_blocks)
+    monkeypatch.setattr(coordinator_patch, "state_of", state_of)
     trace = make_workload("agentic", block_size=CONFIG.layout().block_size)
     run = run_replay(trace, CONFIG, get_policy("plugin"))
-    assert seen, "the plugin cached no Mamba block"
+    assert seen, "the plugin saw no KV-cache coordinator"
+    assert coordinator_patch.state_of(seen[0]).evicts_coherently == (
+        align.active_policy().coherent_eviction)
     return seen[0], run
 
 

@@ -85,7 +85,7 @@ finished request's cached prefix from its end, all groups together.
   then splits, as before).
 - Coherent eviction (``VLLM_HYBRID_COHERENT_EVICTION``): the block pool's
   ``_maybe_evict_cached_block`` is wrapped on the pool instance (:func:`_evict_coherently`, at
-  the first caching the plugin sees): a block evicted under ``(hash, group)``, with no other
+  the cache's first prefix lookup): a block evicted under ``(hash, group)``, with no other
   block holding that key, takes along the free blocks cached under that hash in the other
   Mamba groups of its block size (vLLM evicts group by group in LRU order, leaving states a
   lookup cannot use: the replay's ``groups_disagreed`` misses). They join the uncached blocks
@@ -652,8 +652,6 @@ def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: i
     taken = _boundary_taken_by_checkpoint(managers[0], num_computed_tokens)
     if taken:
         memo[_TAKEN_BY_CHECKPOINT] = taken
-    if policy.coherent_eviction and not state.evicts_coherently:
-        _evict_coherently(self, state)
     before = managers[0].num_cached_block.get(request.request_id, 0)
     with _keeping_boundaries(request, policy, memo, state.ledger):
         original(self, request, num_computed_tokens)
@@ -874,6 +872,8 @@ _SUBCLASS_WRAPPED: dict[str, type] = {}
 
 
 def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
+    if not state_of(self).evicts_coherently and align.active_policy().coherent_eviction:
+        _evict_coherently(self, state_of(self))  # before anything this cache holds is evicted
     managers = _mamba_managers(self)
     if result[1] > 0 and managers:
         hit = result[0][self.single_type_managers.index(managers[0])]
