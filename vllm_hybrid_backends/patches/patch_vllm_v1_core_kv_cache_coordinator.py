@@ -9,7 +9,8 @@ finished request's cached prefix from its end, all groups together.
   ``KVCacheCoordinator.get_num_blocks_to_allocate``, ``KVCacheCoordinator.allocate_new_blocks``
   and ``HybridKVCacheCoordinator.find_longest_cache_hit`` (and that of any subclass defined
   outside vLLM that overrides it, such as vllm-ascend's ``AscendHybridKVCacheCoordinator``:
-  wrapped again at engine start, :func:`wrap_subclass_hit_searches`).
+  wrapped again at engine start, :func:`wrap_subclass_hit_searches`); the block pool's
+  ``_maybe_evict_cached_block``, on the pool instance (coherent eviction, below).
 - Why: with the default ``prefix_cache_retention_interval=0`` vLLM hashes (keeps) a Mamba state
   only at the prompt's replay boundary and a shared-prefix junction; every other state is freed
   unhashed, so the tail checkpoints the scheduler patch stops at, and the states crossed while
@@ -88,8 +89,10 @@ finished request's cached prefix from its end, all groups together.
   the cache's first prefix lookup): a block evicted under ``(hash, group)``, with no other
   block holding that key, takes along the free blocks cached under that hash in the other
   Mamba groups of its block size (vLLM evicts group by group in LRU order, leaving states a
-  lookup cannot use: the replay's ``groups_disagreed`` misses). They join the uncached blocks
-  at the front of the free queue.
+  lookup cannot use: the replay's ``groups_disagreed`` misses). They go to the front of the
+  free queue (where 0.26+ keep the uncached blocks). Related upstream: vLLM #42948 (per-group
+  eviction under pressure leaves hybrid groups' hits disagreeing). 0.23 records no
+  ``block_hash_num_tokens``; it has no sub-block keys either, so every key ends a block.
 - State: the ledger, the kept states, the probation segment and the managers found once live
   in one :class:`CoordinatorState` per coordinator (:func:`state_of`), so two engines in one
   process (the replay's upstream and plugin runs) share nothing.
@@ -872,16 +875,17 @@ _SUBCLASS_WRAPPED: dict[str, type] = {}
 
 
 def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
-    if not state_of(self).evicts_coherently and align.active_policy().coherent_eviction:
-        _evict_coherently(self, state_of(self))  # before anything this cache holds is evicted
+    state = state_of(self)
+    if not state.evicts_coherently and align.active_policy().coherent_eviction:
+        _evict_coherently(self, state)  # before anything this cache holds is evicted
     managers = _mamba_managers(self)
     if result[1] > 0 and managers:
         hit = result[0][self.single_type_managers.index(managers[0])]
         if hit and not hit[-1].is_null and hit[-1].block_hash is not None:
-            state_of(self).ledger.record_hit(hit[-1].block_id, hit[-1].block_hash, result[1])
+            state.ledger.record_hit(hit[-1].block_id, hit[-1].block_hash, result[1])
             if stats.enabled:
                 stats.record_reused(hit[-1])
-    if managers and state_of(self).ledger.compares_value:
+    if managers and state.ledger.compares_value:
         _record_lookup(self, managers, block_hashes, result[1], max_cache_hit_length)
     if stats.enabled and managers:
         stats.record_misses(stats.classify_misses(self, managers, block_hashes, result[1],
