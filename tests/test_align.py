@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from vllm_hybrid_backends import align, interior
-from vllm_hybrid_backends.compat import version_allows
+from vllm_hybrid_backends.compat import has_mamba2_prefill_checkpoint, version_allows
 from vllm_hybrid_backends.patches import (
     patch_vllm_v1_core_kv_cache_coordinator as coordinator_patch,
 )
@@ -767,6 +767,44 @@ def test_interior_columns_part_proven_kinds_from_the_ones_still_on_trial():
     assert proven == interior.planned_columns([1280], 128)  # tail-1: 1408 - 128
     assert sorted(proven + trial) == interior.planned_columns(every, 128) and len(trial) > 1
     assert refused == {} and far == {}  # 11 blocks: nothing past the dense reach
+
+
+@pytest.mark.skipif(not has_mamba2_prefill_checkpoint(), reason=(
+    "this vLLM has no Mamba2 prefill checkpoint (0.32+)"))
+def test_interior_columns_leave_the_column_of_vllms_checkpoint_to_it():
+    # vLLM's Mamba2 worker writes its prefill checkpoint into the block at column
+    # cdiv(end, block) - 2 of every chunk it finds valid, final or not; below the block the
+    # checkpoint is a unit boundary, not that column's boundary, so an interior block placed
+    # there would be cached under the boundary's key holding the checkpoint's state (branching
+    # nemotron-h-8b 262,144 at unit 16: a resume from 3,120 found the state after 3,520).
+    from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
+
+    size, unit, prompt = 64, 16, 1600
+    manager = types.SimpleNamespace(block_size=size, _partial_hit_reqs=set(),
+                                    cache_hit_alignment_tokens=unit,
+                                    has_prefill_checkpoint_blocks=True)
+    request = types.SimpleNamespace(request_id="r", num_prompt_tokens=prompt, num_tokens=prompt)
+    policy = align.policy_for_model(align.active_policy(), internal_prefill_checkpoints=False,
+                                    interior_states=True)
+    would_have_taken = 0
+    for start in range(0, 1200, unit):
+        for end in range(start + size + 1, min(start + 400, prompt) + 1):
+            offsets, cols = compute_mamba_prefill_checkpoints(
+                [end], [end - start], hash_block_size=unit, mamba_block_size=size,
+                checkpoint_alignment=1, drop_eagle_block=False, cache_hit_alignment_tokens=unit)
+            found = coordinator_patch._interior_columns(align.RetentionLedger(), manager,
+                                                        request, start, end)
+            planned = {*found.proven, *found.on_trial, *found.refused, *found.far}
+            candidates = interior.planned_columns(align.interior_tail_checkpoints_by_kind(
+                start, end, prompt, size, policy).values(), size)
+            checkpoint_is_boundary = start + offsets[0] == (cols[0] + 1) * size
+            if cols[0] < 0 or checkpoint_is_boundary:
+                assert planned == set(candidates), (start, end)
+                continue
+            would_have_taken += cols[0] in candidates
+            assert cols[0] not in planned, (start, end, offsets[0], cols[0])
+            assert planned == set(candidates) - {cols[0]}, (start, end)
+    assert would_have_taken > 100
 
 
 def test_interior_columns_offer_kinds_the_ledger_refuses_for_trial():

@@ -425,6 +425,23 @@ def test_mamba2_checkpoint_at_a_unit_boundary_keeps_its_column(policy):
     assert [m.describe() for m in result.mismatches] == []
 
 
+@pytest.mark.skipif(not vllm_has_prefix_match_unit(), reason=(
+    "sub-block hits need vLLM's prefix_match_unit (0.32+)"))
+@needs_mamba2_checkpoint
+def test_interior_blocks_stay_off_the_column_of_vllms_checkpoint():
+    # Found on this run: a chunk that stops at a shared-prefix junction inside a block (3,536)
+    # is not the prompt's last, so vLLM's manager plans no checkpoint; its worker still writes
+    # the checkpoint (3,520) to column cdiv(3536, 1040) - 2, and an interior block the plugin
+    # placed there was cached under that column's boundary (3,120): six resumes read the
+    # state after 3,520 where 3,120 was promised. (Upstream's run has vLLM's mid-block bug,
+    # MID_BLOCK_BUG; only the plugin's is asserted.)
+    config = ReplayConfig(model_shape="nemotron-h-8b", cache_tokens=262144, prefix_match_unit=16)
+    trace = make_workload("branching", block_size=config.layout().block_size, seed=0)
+    result = run_replay(trace, config, get_policy("plugin"))
+    assert result.state_checks > 100_000
+    assert [m.describe() for m in result.mismatches] == []
+
+
 @upstream_bug(AssertionError, (
     "vLLM 0.32 V1 worker: the Mamba2 prefill checkpoint of a non-final chunk targets block "
     "column cdiv(end, block)-2, where the worker's appended block table still lists the "

@@ -1057,7 +1057,11 @@ class InteriorColumns(NamedTuple):
 def _interior_columns(ledger: align.RetentionLedger, manager: Any, request: Any, start: int,
                       end: int) -> InteriorColumns:
     """The chunk ``[start, end)``'s interior tail-state columns for ``request`` in ``manager``'s
-    group (:class:`InteriorColumns`)."""
+    group (:class:`InteriorColumns`). Not the column vLLM's Mamba2 worker writes its prefill
+    checkpoint to when that state is not the column's boundary
+    (:func:`_boundary_taken_by_checkpoint`): the worker writes it into whatever block the column
+    holds, on every chunk, even one vLLM's manager planned no checkpoint for (not the prompt's
+    last), so a block placed there would hold the checkpoint's state under the boundary's key."""
     found = InteriorColumns([], [], {}, {})
     policy = align.policy_for_model(align.active_policy(), internal_prefill_checkpoints=False,
                                     interior_states=True)
@@ -1065,8 +1069,11 @@ def _interior_columns(ledger: align.RetentionLedger, manager: Any, request: Any,
             or start >= max(request.num_prompt_tokens, request.num_tokens - 1)):
         return found
     size = manager.block_size
+    taken = _boundary_taken_by_checkpoint(manager, end)
     for kind, position in sorted(align.interior_tail_checkpoints_by_kind(
             start, end, request.num_prompt_tokens, size, policy).items(), key=lambda kp: kp[1]):
+        if position == taken:
+            continue
         column = position // size - 1
         if align.is_far(kind):
             found.far[column] = kind
