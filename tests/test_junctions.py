@@ -25,14 +25,31 @@ def test_a_prompt_learns_where_it_leaves_an_earlier_one():
     assert junction(seen, _chain(third, 4), len(third), 4) == 12
 
 
-def test_the_junction_stops_a_unit_short_of_the_prompt_when_it_repeats_whole():
+def test_a_prompt_that_only_extends_an_earlier_one_makes_no_junction():
     seen = SeenPrefixes(64)
     prompt = list(range(33))
     junction(seen, _chain(prompt, 4), len(prompt), 4)
-    # a resend may hit at most 32 tokens; 32 is a whole unit short of 33 + 1
-    assert junction(seen, _chain(prompt, 4), len(prompt), 4) == 32
+    # a resend, or a conversation's next turn, goes on where the earlier prompt ended: vLLM
+    # keeps that prompt's end state itself, and the next turn extends the new prompt
+    assert junction(seen, _chain(prompt, 4), len(prompt), 4) == 0
+    turn = prompt + [900 + i for i in range(20)]
+    assert junction(seen, _chain(turn, 4), len(turn), 4) == 0
+    # a retry of that turn forks from it where its own tokens begin (the unit holding token 33)
+    retry = prompt + [700 + i for i in range(20)]
+    assert junction(seen, _chain(retry, 4), len(retry), 4) == 32
+    # a prompt that stops inside a remembered one: that one went on, a unit short of the end
     shorter = list(range(32))
     assert junction(seen, _chain(shorter, 4), len(shorter), 4) == 28
+
+
+def test_a_fork_is_remembered_for_prompts_that_extend_the_shared_prefix():
+    seen = SeenPrefixes(64)
+    system = list(range(12))
+    junction(seen, _chain(system, 4), len(system), 4)  # ends at 8 (a hit stops a token short)
+    first = system + [500 + i for i in range(20)]
+    assert junction(seen, _chain(first, 4), len(first), 4) == 0  # extends it: no fork yet
+    second = system + [800 + i for i in range(20)]
+    assert junction(seen, _chain(second, 4), len(second), 4) == 12  # first went on past 12
 
 
 def test_forgetting_keeps_every_prefix_of_a_remembered_one():
