@@ -42,6 +42,17 @@ def test_a_prompt_that_only_extends_an_earlier_one_makes_no_junction():
     assert junction(seen, _chain(shorter, 4), len(shorter), 4) == 28
 
 
+def test_a_prefix_another_prompt_went_on_past_stays_a_fork_when_one_ends_there():
+    seen = SeenPrefixes(64)
+    first = list(range(40))
+    junction(seen, _chain(first, 4), len(first), 4)
+    # a prompt ending 13 tokens in (3 units recorded: its hit stops at 12) ends inside it
+    assert junction(seen, _chain(first[:13], 4), 13, 4) == 12
+    # the first one went on past 12 tokens, whoever ended there since: still a fork at 12
+    other = first[:12] + [600 + i for i in range(20)]
+    assert junction(seen, _chain(other, 4), len(other), 4) == 12
+
+
 def test_a_fork_is_remembered_for_prompts_that_extend_the_shared_prefix():
     seen = SeenPrefixes(64)
     system = list(range(12))

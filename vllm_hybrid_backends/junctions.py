@@ -38,8 +38,9 @@ class SeenPrefixes:
     A key is the chained hash of a prompt's first ``k`` units, so one key stands for a whole
     prefix; :meth:`record` inserts a prompt's longest prefix first, so its shortest ones are
     the newest and every prefix of a remembered one is remembered too (the search in
-    :meth:`longest` relies on it). Each key also says whether a remembered prompt went on past
-    that prefix (:meth:`continued`). Keys are Python's ``hash`` of vLLM's block hashes: a
+    :meth:`longest` relies on it). Each key also says whether a prompt recorded with it went on
+    past that prefix (:meth:`continued`; it stays set while the key is remembered, even once
+    that prompt's longer prefixes are forgotten). Keys are Python's ``hash`` of vLLM's block hashes: a
     collision can only suggest a junction, never a hit (vLLM looks the real hash up).
     """
 
@@ -92,7 +93,9 @@ def junction(seen: SeenPrefixes, unit_hashes: Sequence[Any], num_prompt_tokens: 
     """The token position where this prompt forks from a remembered one (0: none), then
     remember its prefixes: the end of the longest remembered prefix it shares, if a
     remembered prompt went on past it. A hit stops one token short of the prompt, so the
-    junction does."""
+    junction does: a prompt that ends inside a remembered one gets its own last unit boundary
+    (kept by vLLM too, as its replay boundary; ending a chunk there still made more hits on
+    production/nemotron-h-8b 262,144 at unit 16, 0.4191 against 0.4174 without)."""
     limit = (num_prompt_tokens - 1) // unit
     found = seen.longest(unit_hashes, limit)
     fork = found > 0 and seen.continued(unit_hashes, found)

@@ -119,6 +119,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterator
@@ -428,17 +429,31 @@ def _boundary_taken_by_checkpoint(manager: Any, chunk_end: int) -> int:
     """The block boundary whose column vLLM's Mamba2 worker writes its prefill checkpoint to in
     the chunk ending at ``chunk_end``
     (:func:`vllm_hybrid_backends.interior.vllm_checkpoint_column`) when that state is not the
-    boundary's: the checkpoint is the last boundary of the cache-hit alignment below the chunk
-    end, a unit inside the block with a ``prefix_match_unit`` below it, a coarser boundary with
-    a Mamba block finer than the attention block. The plugin must not keep that column as
-    the boundary's state. 0 where there is none (no internal checkpoints, or the alignment is
-    the Mamba block)."""
+    boundary's: the checkpoint is vLLM's ``get_mamba_prefill_checkpoint_position`` of the
+    chunk end (the last cache-hit alignment boundary a resend may hit, a unit lower with
+    EAGLE's block drop), a unit inside the block with a ``prefix_match_unit`` below it, a
+    coarser boundary with a Mamba block finer than the attention block, a block lower with
+    EAGLE's drop. The plugin must not keep that column as the boundary's state. 0 where there
+    is none (no internal checkpoints, or the checkpoint is the boundary's state). Whether the
+    worker finds the checkpoint valid is not asked: skipping a column it leaves alone only
+    loses a state."""
     unit = getattr(manager, "cache_hit_alignment_tokens", 0)
-    size = manager.block_size
-    if not getattr(manager, "has_prefill_checkpoint_blocks", False) or not unit or unit == size:
+    if not getattr(manager, "has_prefill_checkpoint_blocks", False) or not unit:
         return 0
+    size = manager.block_size
     boundary = (interior.vllm_checkpoint_column(chunk_end, size) + 1) * size
-    return boundary if boundary > 0 and (chunk_end - 1) // unit * unit != boundary else 0
+    if boundary <= 0:
+        return 0
+    position = _checkpoint_position()(chunk_end, unit,
+                                      getattr(manager, "drop_eagle_checkpoint_block", False))
+    return boundary if position != boundary else 0
+
+
+@functools.cache
+def _checkpoint_position() -> Any:
+    """vLLM's ``get_mamba_prefill_checkpoint_position`` (0.32+, with the prefill checkpoint)."""
+    module = importlib.import_module("vllm.v1.kv_cache_interface")
+    return module.get_mamba_prefill_checkpoint_position
 
 
 def _mamba_managers(coordinator: Any) -> list[Any]:

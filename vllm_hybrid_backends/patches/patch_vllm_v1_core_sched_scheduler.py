@@ -36,11 +36,12 @@
   lost there. Held back, they ride on the next step with an output. Not wrapped otherwise.
 - Sub-block junctions (vLLM 0.32, 0.33, with ``prefix_match_unit`` below the block size and
   ``VLLM_HYBRID_SUBBLOCK_JUNCTIONS``): ``Scheduler._get_local_prefix_cache_hit`` is wrapped to
-  set ``request.shared_prefix_boundary`` to where the prompt forks from a recent prompt that
-  went on past that point (:func:`vllm_hybrid_backends.junctions.junction`, once per request;
-  not where a recent prompt ended, as a resend or a conversation's next turn does: vLLM keeps
-  that end state) when that lies past the hit; vLLM's own shared-prefix checkpoint (``enable_mamba_shared_prefix_checkpoint``, which
-  vLLM turns on only with EAGLE) is switched on for that scheduler, so its split ends the chunk
+  set ``request.shared_prefix_boundary`` to where the prompt forks from the recent prompts
+  (:func:`vllm_hybrid_backends.junctions.junction`, once per request: a shared prefix that one
+  of them went on past; not where they all ended, as for a resend or a conversation's next
+  turn, whose end state vLLM keeps) when that lies past the hit; vLLM's own shared-prefix
+  checkpoint (``enable_mamba_shared_prefix_checkpoint``, which vLLM turns on only with EAGLE)
+  is switched on for that scheduler, so its split ends the chunk
   at the junction and its Mamba managers cache the state there. The attention groups register
   a key at the junction on the block that holds it
   (``FullAttentionManager._cache_partial_tail_block``, which vLLM's ``cache_blocks`` calls only
