@@ -8,7 +8,8 @@ the attention block size, sub-block prefix hits with copy-on-write copies, exter
 tokens from a fake P/D connector, speculative decoding with random accept patterns, both conv
 layouts and both state kinds (gated delta net; Mamba2 with in-forward prefill checkpoints),
 under vLLM's own policy or the plugin's (tail checkpoints stored inside the chunk, decode
-checkpoints, adaptive retention with probation, suffix eviction). Every stream must end with
+checkpoints, adaptive retention with probation, suffix eviction, sub-block junctions with
+their free-block margin drawn small too). Every stream must end with
 zero state mismatches and the block pool back to empty.
 
 ``make test`` runs the ``default`` profile (a few dozen streams, well under a minute once vLLM
@@ -128,7 +129,10 @@ def streams(draw):
             # crash, see test_harness.py::test_external_tokens_in_a_full_pool).
             config = replace(config, cache_tokens=4 * need_blocks * block)
 
-    return Stream(Trace("fuzz", requests), config, accept, loads, policy)
+    # The plugin's sub-block junctions need JUNCTION_SPARE_BLOCKS free beyond a prompt's blocks,
+    # which only the largest pools here have: drawn smaller too, so junction chunks run often.
+    spare = draw(st.sampled_from([None, 0, 4])) if unit and policy == "plugin" else None
+    return Stream(Trace("fuzz", requests), config, accept, loads, policy, spare)
 
 
 @dataclass
@@ -143,15 +147,25 @@ class Stream:
     external_loads: dict[str, int] | None
     #: ``upstream`` or ``plugin``
     policy: str
+    #: the plugin's JUNCTION_SPARE_BLOCKS for this stream (None: the default)
+    junction_spare_blocks: int | None = None
 
     def run(self):
+        from vllm_hybrid_backends.patches import patch_vllm_v1_core_sched_scheduler as scheduler
+
         pattern = itertools.cycle(self.accept_pattern)
         loads = self.external_loads
         external = None
         if loads is not None:
             external = lambda rid, local, n: max(0, loads.get(rid, 0) - local)  # noqa: E731
-        return run_replay(self.trace, self.config, get_policy(self.policy),
-                          accept=lambda rid, k: min(next(pattern), k), external=external)
+        default = scheduler.JUNCTION_SPARE_BLOCKS
+        if self.junction_spare_blocks is not None:
+            scheduler.JUNCTION_SPARE_BLOCKS = self.junction_spare_blocks
+        try:
+            return run_replay(self.trace, self.config, get_policy(self.policy),
+                              accept=lambda rid, k: min(next(pattern), k), external=external)
+        finally:
+            scheduler.JUNCTION_SPARE_BLOCKS = default
 
 
 @given(streams())
