@@ -38,6 +38,11 @@ per-request paths then read no environment variable):
   position: a hit needs the state in every Mamba group and the attention block, so those are
   dead weight (vLLM leaves them until the LRU order reaches them, and lookups stop short there:
   ``groups_disagreed`` in the replay's misses). They join the uncached free blocks, taken first.
+- ``VLLM_HYBRID_DUPLICATE_EVICTION`` (default 1): when vLLM caches a full attention block under
+  a key a free block already holds, evict that free copy (it joins the uncached free blocks).
+  A hybrid hit stops at the deepest Mamba state, so a request recomputes attention blocks the
+  cache still holds past it; the running request's copy holds the same tokens and returns to
+  the free queue later, so nothing a lookup could use is lost.
 - ``VLLM_HYBRID_ADAPTIVE_RETENTION`` (default 1): keep tail and decode states only while
   states of that kind are being reused (:class:`RetentionLedger`); a kind that is not (decode
   states on agentic prompts that insert the answer before a fixed tail; tail states on chat
@@ -86,6 +91,7 @@ DECODE_CHECKPOINTS_ENV = "VLLM_HYBRID_DECODE_CHECKPOINTS"
 MAMBA_GRID_ENV = "VLLM_HYBRID_MAMBA_GRID"
 SUFFIX_EVICTION_ENV = "VLLM_HYBRID_SUFFIX_EVICTION"
 COHERENT_EVICTION_ENV = "VLLM_HYBRID_COHERENT_EVICTION"
+DUPLICATE_EVICTION_ENV = "VLLM_HYBRID_DUPLICATE_EVICTION"
 ADAPTIVE_RETENTION_ENV = "VLLM_HYBRID_ADAPTIVE_RETENTION"
 INTERIOR_STATES_ENV = "VLLM_HYBRID_INTERIOR_STATES"
 DECODE_MAX_STEPS_ENV = "VLLM_HYBRID_DECODE_CHECKPOINT_MAX_STEPS"
@@ -117,6 +123,8 @@ class AlignPolicy:
     suffix_eviction: bool = True
     #: evict a state's blocks in every Mamba group once one of them, or its attention block, goes
     coherent_eviction: bool = True
+    #: evict a free attention block's copy once a running request caches the same full block
+    duplicate_eviction: bool = True
     adaptive_retention: bool = True
     interior_states: bool = True
     #: a tail state at every block up to the reach (set by :func:`policy_for_model` where
@@ -179,6 +187,7 @@ def current_policy() -> AlignPolicy:
         mamba_grid=_flag(MAMBA_GRID_ENV, True),
         suffix_eviction=_flag(SUFFIX_EVICTION_ENV, True),
         coherent_eviction=_flag(COHERENT_EVICTION_ENV, True),
+        duplicate_eviction=_flag(DUPLICATE_EVICTION_ENV, True),
         adaptive_retention=_flag(ADAPTIVE_RETENTION_ENV, True),
         interior_states=_flag(INTERIOR_STATES_ENV, True),
         subblock_junctions=_flag(SUBBLOCK_JUNCTIONS_ENV, True),

@@ -2,7 +2,8 @@
 attention block at its position), the state's free blocks in the other Mamba groups are evicted
 too, so no cached state is left that a lookup cannot use. Checked on the cache vLLM's real
 scheduler leaves after a replay under memory pressure (nemotron-h-8b: six Mamba groups, a state
-is six blocks; a 63-block pool)."""
+is six blocks; a 63-block pool). ``VLLM_HYBRID_DUPLICATE_EVICTION``: a free attention block
+whose full-block key a running request caches again is evicted then (vLLM's ``BlockPool``)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,8 @@ def _unusable_states(coordinator: Any) -> int:
 ])
 def test_states_left_cached_in_part_of_their_groups(monkeypatch, coherent):
     monkeypatch.setenv("VLLM_HYBRID_COHERENT_EVICTION", "1" if coherent else "0")
+    if not coherent:  # the run measured before duplicate eviction (it leaves none there)
+        monkeypatch.setenv(align.DUPLICATE_EVICTION_ENV, "0")
     coordinator, run = _replayed_coordinator(monkeypatch)
     assert run.evictions_mamba > 0, "the row must evict states"
     unusable = _unusable_states(coordinator)
@@ -176,3 +179,85 @@ def test_states_evicted_along_are_counted_in_the_stats(monkeypatch):
     assert state_2.block_hash is None
     assert stats.COUNTERS[stats.key("evicted", "tail")] == 1
     stats.reset()
+
+
+def _pool_evicting_duplicates(hash_block_size: int = 4) -> tuple[Any, Any]:
+    """vLLM's block pool behind a coordinator of one attention group (0) and one Mamba group
+    (1), the duplicate-eviction hook installed; ``cache(block, hash, group, tokens)``."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=10, enable_caching=True, hash_block_size=hash_block_size)
+    managers = [SimpleNamespace(block_size=4),
+                SimpleNamespace(block_size=4, has_prefill_checkpoint_blocks=False)]
+    coordinator = SimpleNamespace(single_type_managers=managers, block_pool=pool)
+    coordinator_patch._evict_duplicates(coordinator, coordinator_patch.CoordinatorState())
+
+    def cache(block: Any, block_hash: bytes, group: int, tokens: int = 4) -> None:
+        request = SimpleNamespace(block_hashes=[block_hash] * (4 // hash_block_size),
+                                  request_id="r")
+        pool.cache_full_blocks(request, [block], 0, 1, tokens, group)
+
+    return pool, cache
+
+
+def _front(pool: Any) -> Any:
+    return pool.free_block_queue.fake_free_list_head.next_free_block
+
+
+def test_a_free_attention_block_cached_again_is_evicted():
+    pool, cache = _pool_evicting_duplicates()
+    key, other_key = b"d" * 32, b"o" * 32
+    old, unrelated = pool.get_new_blocks(2)
+    cache(old, key, 0)
+    cache(unrelated, other_key, 0)
+    pool.free_blocks([old, unrelated])
+    assert old.block_hash is not None and _front(pool) is not old  # cached, at its LRU place
+    (new,) = pool.get_new_blocks(1)  # an uncached block: nothing evicted
+    cache(new, key, 0)  # a running request computed the same block again
+    assert old.block_hash is None and _front(pool) is old  # taken next, before cached blocks
+    assert pool.cached_block_hash_to_block.get_one_block(
+        _group_key(key, 0)) is new
+    assert unrelated.block_hash is not None
+
+
+def _group_key(block_hash: bytes, group: int) -> Any:
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    return make_block_hash_with_group_id(block_hash, group)
+
+
+def test_a_copy_in_use_or_a_mamba_state_stays_cached():
+    pool, cache = _pool_evicting_duplicates()
+    key = b"u" * 32
+    in_use, state = pool.get_new_blocks(2)
+    cache(in_use, key, 0)  # held by a running request: not free
+    cache(state, key, 1)
+    pool.free_blocks([state])
+    second, second_state = pool.get_new_blocks(2)
+    cache(second, key, 0)
+    cache(second_state, key, 1)  # Mamba groups keep their copies (vLLM may drop the new one)
+    assert in_use.block_hash is not None and state.block_hash is not None
+
+
+@pytest.mark.skipif(not vllm_has_prefix_match_unit(), reason=(
+    "no prefix_match_unit before vLLM 0.32: no key ends inside a block"))
+def test_a_key_ending_inside_the_block_evicts_no_copy():
+    pool, cache = _pool_evicting_duplicates(hash_block_size=2)
+    key = b"p" * 32
+    old, new = pool.get_new_blocks(2)
+    cache(old, key, 0, tokens=2)  # keyed at 2 tokens of a 4-token block
+    pool.free_blocks([old])
+    cache(new, key, 0, tokens=2)
+    assert old.block_hash is not None
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_the_switch_installs_the_hook_at_the_first_lookup(monkeypatch, switch):
+    monkeypatch.setenv(align.DUPLICATE_EVICTION_ENV, switch)
+    align.refresh_policy()
+    try:
+        coordinator, _ = _replayed_coordinator(monkeypatch)
+        assert coordinator_patch.state_of(coordinator).evicts_duplicates == (switch == "1")
+    finally:
+        monkeypatch.delenv(align.DUPLICATE_EVICTION_ENV)
+        align.refresh_policy()

@@ -10,7 +10,8 @@ finished request's cached prefix from its end, all groups together.
   and ``HybridKVCacheCoordinator.find_longest_cache_hit`` (and that of any subclass defined
   outside vLLM that overrides it, such as vllm-ascend's ``AscendHybridKVCacheCoordinator``:
   wrapped again at engine start, :func:`wrap_subclass_hit_searches`); the block pool's
-  ``_maybe_evict_cached_block``, on the pool instance (coherent eviction, below).
+  ``_maybe_evict_cached_block`` and its ``cached_block_hash_to_block.insert``, on the pool
+  instance (coherent and duplicate eviction, below).
 - Why: with the default ``prefix_cache_retention_interval=0`` vLLM hashes (keeps) a Mamba state
   only at the prompt's replay boundary and a shared-prefix junction; every other state is freed
   unhashed, so the tail checkpoints the scheduler patch stops at, and the states crossed while
@@ -93,6 +94,12 @@ finished request's cached prefix from its end, all groups together.
   free queue (where 0.26+ keep the uncached blocks). Related upstream: vLLM #42948 (per-group
   eviction under pressure leaves hybrid groups' hits disagreeing). 0.23 records no
   ``block_hash_num_tokens``; it has no sub-block keys either, so every key ends a block.
+- Duplicate eviction (``VLLM_HYBRID_DUPLICATE_EVICTION``): the pool's
+  ``cached_block_hash_to_block.insert`` is wrapped on the instance (:func:`_evict_duplicates`,
+  installed with coherent eviction): when a full attention block is cached under a key a free
+  block already holds, that free copy is evicted and goes to the front of the free queue. A
+  hybrid hit ends at the deepest Mamba state, so requests recompute attention blocks the cache
+  still holds past it; vLLM keeps both copies, the older one until its LRU turn.
 - State: the ledger, the kept states, the probation segment and the managers found once live
   in one :class:`CoordinatorState` per coordinator (:func:`state_of`), so two engines in one
   process (the replay's upstream and plugin runs) share nothing.
@@ -202,6 +209,8 @@ class CoordinatorState:
     #: Whether the block pool's evictions take a state's other Mamba groups along
     #: (:func:`_evict_coherently`).
     evicts_coherently: bool = False
+    #: Whether caching a full attention block evicts a free copy of it (:func:`_evict_duplicates`).
+    evicts_duplicates: bool = False
 
 
 def state_of(coordinator: Any) -> CoordinatorState:
@@ -806,6 +815,44 @@ def _evict_coherently(coordinator: Any, state: CoordinatorState) -> None:
     pool._maybe_evict_cached_block = maybe_evict_cached_block
 
 
+def _evict_duplicates(coordinator: Any, state: CoordinatorState) -> None:
+    """Wrap the block pool's ``cached_block_hash_to_block.insert`` (on the instance, once): when
+    a block is cached under a full attention block's key that a free block already holds (the
+    key is that block's only one), the free copy is evicted after the insert and moved to the
+    front of the free queue, with the uncached blocks. A hybrid hit ends at the deepest Mamba
+    state, so a request recomputes attention blocks still cached past it; its own copy holds
+    the same tokens and goes back to the free queue later (after the old one in LRU order), so
+    no lookup loses a block. Not for Mamba groups (vLLM re-keys or drops a block it cached
+    earlier in a step when its checkpoint turns out transient) nor for keys ending inside a
+    block (``prefix_match_unit``). Runs per block vLLM caches."""
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    state.evicts_duplicates = True
+    attention = {gid: m.block_size for gid, m in enumerate(coordinator.single_type_managers)
+                 if not _is_mamba_manager(m)}
+    pool = coordinator.block_pool
+    cached = pool.cached_block_hash_to_block
+    original = cached.insert
+    queue = pool.free_block_queue
+    extra_keys = getattr(pool, "cached_block_hashes_by_block", {})  # 0.26+: more keys a block has
+
+    def insert(key: Any, block: Any) -> None:
+        size = attention.get(get_group_id(key))
+        if size is None or block.block_hash != key:
+            return original(key, block)
+        tokens = getattr(block, "block_hash_num_tokens", None)  # None on 0.23: full blocks only
+        old = cached.get_one_block(key) if tokens is None or tokens % size == 0 else None
+        original(key, block)
+        if (old is not None and old is not block and old.ref_cnt == 0
+                and old.prev_free_block is not None and old.block_hash == key
+                and not extra_keys.get(old.block_id)
+                and pool._maybe_evict_cached_block(old)):
+            queue.remove(old)
+            queue.prepend_n([old])
+
+    cached.insert = insert
+
+
 def _count_evictions(pool: Any, mamba_groups: set[int]) -> None:
     from vllm.v1.core.kv_cache_utils import get_group_id
 
@@ -893,6 +940,8 @@ def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length:
     state = state_of(self)
     if not state.evicts_coherently and align.active_policy().coherent_eviction:
         _evict_coherently(self, state)  # before anything this cache holds is evicted
+    if not state.evicts_duplicates and align.active_policy().duplicate_eviction:
+        _evict_duplicates(self, state)
     managers = _mamba_managers(self)
     if result[1] > 0 and managers:
         hit = result[0][self.single_type_managers.index(managers[0])]
