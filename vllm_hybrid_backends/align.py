@@ -38,11 +38,12 @@ per-request paths then read no environment variable):
   position: a hit needs the state in every Mamba group and the attention block, so those are
   dead weight (vLLM leaves them until the LRU order reaches them, and lookups stop short there:
   ``groups_disagreed`` in the replay's misses). They join the uncached free blocks, taken first.
-- ``VLLM_HYBRID_DUPLICATE_EVICTION`` (default 1): when vLLM caches a full attention block under
-  a key a free block already holds, evict that free copy (it joins the uncached free blocks).
-  A hybrid hit stops at the deepest Mamba state, so a request recomputes attention blocks the
-  cache still holds past it; the running request's copy holds the same tokens and returns to
-  the free queue later, so nothing a lookup could use is lost.
+- ``VLLM_HYBRID_DUPLICATE_EVICTION`` (default 1): when vLLM caches a full block of a non-Mamba
+  group under a key a free block already holds, evict that free copy (it joins the uncached
+  free blocks). A hybrid hit stops at the deepest Mamba state, so a request recomputes
+  attention blocks the cache still holds past it; the running request's copy holds the same
+  tokens once the step's forward has run (the exception, priority preemption inside one
+  ``schedule()``, is in ``patch_vllm_v1_core_kv_cache_coordinator._evict_duplicates``).
 - ``VLLM_HYBRID_ADAPTIVE_RETENTION`` (default 1): keep tail and decode states only while
   states of that kind are being reused (:class:`RetentionLedger`); a kind that is not (decode
   states on agentic prompts that insert the answer before a fixed tail; tail states on chat

@@ -257,7 +257,65 @@ def test_the_switch_installs_the_hook_at_the_first_lookup(monkeypatch, switch):
     align.refresh_policy()
     try:
         coordinator, _ = _replayed_coordinator(monkeypatch)
-        assert coordinator_patch.state_of(coordinator).evicts_duplicates == (switch == "1")
+        pool_map = coordinator.block_pool.cached_block_hash_to_block
+        installed = coordinator_patch.state_of(coordinator).duplicates_map is pool_map
+        assert installed == (switch == "1") and ("insert" in vars(pool_map)) == installed
     finally:
         monkeypatch.delenv(align.DUPLICATE_EVICTION_ENV)
         align.refresh_policy()
+
+
+def _queue_ids(pool: Any) -> list[int]:
+    queue = pool.free_block_queue
+    ids, block = [], queue.fake_free_list_head.next_free_block
+    while block is not queue.fake_free_list_tail:
+        ids.append(block.block_id)
+        block = block.next_free_block
+    return ids
+
+
+def test_with_coherent_eviction_a_duplicate_takes_no_state_along_and_survives_a_reset():
+    # the real setup: both hooks on one pool; the state at the duplicated key must stay (the
+    # new copy holds the key when the old one is evicted), and vLLM's reset_prefix_cache,
+    # which replaces the hash map, must not switch either hook off
+    pool, cache, coordinator = _pool_with_two_mamba_groups()
+    state = coordinator_patch.CoordinatorState()
+    coordinator_patch._evict_duplicates(coordinator, state)
+    key = b"c" * 32
+    old, state_1, state_2 = pool.get_new_blocks(3)
+    for block, group in ((old, 0), (state_1, 1), (state_2, 2)):
+        cache(block, key, group)
+    pool.free_blocks([old, state_1, state_2])
+    free = pool.get_num_free_blocks()
+    (new,) = pool.get_new_blocks(1)
+    cache(new, key, 0)
+    assert old.block_hash is None and _front(pool) is old
+    assert _cached(pool, key, 1) and _cached(pool, key, 2)  # the state stays
+    assert pool.get_num_free_blocks() == free - 1 == len(_queue_ids(pool))
+    pool.free_blocks([new])
+    assert pool.reset_prefix_cache()
+    assert state.duplicates_map is not pool.cached_block_hash_to_block  # reinstalled on lookup
+    coordinator_patch._evict_duplicates(coordinator, state)
+    first, second = pool.get_new_blocks(2)
+    cache(first, key, 0)
+    pool.free_blocks([first])
+    cache(second, key, 0)
+    assert first.block_hash is None
+    third, state_1, state_2 = pool.get_new_blocks(3)
+    for block, group in ((third, 0), (state_1, 1), (state_2, 2)):
+        cache(block, b"r" * 32, group)
+    pool.free_blocks([third, state_1, state_2])
+    pool.get_new_blocks(pool.get_num_free_blocks() - 2)  # evicts `third` (coherent, new map)
+    assert not _cached(pool, b"r" * 32, 1) and not _cached(pool, b"r" * 32, 2)
+
+
+def test_a_copy_with_more_keys_stays(monkeypatch):
+    pool, cache = _pool_evicting_duplicates()
+    key = b"m" * 32
+    old, new = pool.get_new_blocks(2)
+    cache(old, key, 0)
+    if hasattr(pool, "cached_block_hashes_by_block"):  # 0.26+: a block may hold more keys
+        monkeypatch.setattr(pool, "cached_block_hashes_by_block", {old.block_id: {"other"}})
+    pool.free_blocks([old])
+    cache(new, key, 0)
+    assert (old.block_hash is not None) == hasattr(pool, "cached_block_hashes_by_block")

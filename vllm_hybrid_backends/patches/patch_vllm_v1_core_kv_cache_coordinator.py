@@ -96,10 +96,11 @@ finished request's cached prefix from its end, all groups together.
   ``block_hash_num_tokens``; it has no sub-block keys either, so every key ends a block.
 - Duplicate eviction (``VLLM_HYBRID_DUPLICATE_EVICTION``): the pool's
   ``cached_block_hash_to_block.insert`` is wrapped on the instance (:func:`_evict_duplicates`,
-  installed with coherent eviction): when a full attention block is cached under a key a free
-  block already holds, that free copy is evicted and goes to the front of the free queue. A
-  hybrid hit ends at the deepest Mamba state, so requests recompute attention blocks the cache
-  still holds past it; vLLM keeps both copies, the older one until its LRU turn.
+  installed at the cache's first lookup, again after ``reset_prefix_cache`` replaces the map):
+  when a full block of a non-Mamba group is cached under a key a free block already holds,
+  that free copy is evicted and goes to the front of the free queue. A hybrid hit ends at the
+  deepest Mamba state, so requests recompute attention blocks the cache still holds past it;
+  vLLM keeps both copies, the older one until its LRU turn.
 - State: the ledger, the kept states, the probation segment and the managers found once live
   in one :class:`CoordinatorState` per coordinator (:func:`state_of`), so two engines in one
   process (the replay's upstream and plugin runs) share nothing.
@@ -209,8 +210,9 @@ class CoordinatorState:
     #: Whether the block pool's evictions take a state's other Mamba groups along
     #: (:func:`_evict_coherently`).
     evicts_coherently: bool = False
-    #: Whether caching a full attention block evicts a free copy of it (:func:`_evict_duplicates`).
-    evicts_duplicates: bool = False
+    #: The pool's hash map whose ``insert`` evicts a free copy of a full attention block
+    #: (:func:`_evict_duplicates`); None: not installed.
+    duplicates_map: Any = None
 
 
 def state_of(coordinator: Any) -> CoordinatorState:
@@ -776,10 +778,10 @@ def _evict_coherently(coordinator: Any, state: CoordinatorState) -> None:
         return
     pool = coordinator.block_pool
     original = pool._maybe_evict_cached_block
-    cached = pool.cached_block_hash_to_block
     queue = pool.free_block_queue
 
     def maybe_evict_cached_block(block: Any) -> bool:
+        cached = pool.cached_block_hash_to_block  # reset_prefix_cache makes a new one
         primary = block.block_hash
         if primary is None:
             return bool(original(block))
@@ -820,21 +822,26 @@ def _evict_duplicates(coordinator: Any, state: CoordinatorState) -> None:
     a block is cached under a full attention block's key that a free block already holds (the
     key is that block's only one), the free copy is evicted after the insert and moved to the
     front of the free queue, with the uncached blocks. A hybrid hit ends at the deepest Mamba
-    state, so a request recomputes attention blocks still cached past it; its own copy holds
-    the same tokens and goes back to the free queue later (after the old one in LRU order), so
-    no lookup loses a block. Not for Mamba groups (vLLM re-keys or drops a block it cached
-    earlier in a step when its checkpoint turns out transient) nor for keys ending inside a
-    block (``prefix_match_unit``). Runs per block vLLM caches."""
+    state, so a request recomputes attention blocks still cached past it (EAGLE's dropped last
+    block and identical decoded blocks too); its own copy holds the same tokens once the step's
+    forward has run. Exception: vLLM caches at schedule time, and with the priority policy a
+    request scheduled earlier in the same ``schedule()`` can be preempted before its forward,
+    leaving the key on a block never written: vLLM has that hole without a free copy too, this
+    widens it to the copy's case. Every group that is not a Mamba group counts (sliding-window
+    and other attention groups, also on hybrids without Mamba); not Mamba groups (vLLM re-keys
+    or drops a block it cached earlier in a step when its checkpoint turns out transient), nor
+    keys ending inside a block (``prefix_match_unit``). vLLM emits its ``BlockRemoved`` event
+    for the old copy's key, which stays cached on the new one. Runs per block vLLM caches."""
     from vllm.v1.core.kv_cache_utils import get_group_id
 
-    state.evicts_duplicates = True
-    attention = {gid: m.block_size for gid, m in enumerate(coordinator.single_type_managers)
-                 if not _is_mamba_manager(m)}
     pool = coordinator.block_pool
     cached = pool.cached_block_hash_to_block
+    state.duplicates_map = cached  # vLLM's reset_prefix_cache replaces it: wrapped again then
+    attention = {gid: m.block_size for gid, m in enumerate(coordinator.single_type_managers)
+                 if not _is_mamba_manager(m)}
     original = cached.insert
     queue = pool.free_block_queue
-    extra_keys = getattr(pool, "cached_block_hashes_by_block", {})  # 0.26+: more keys a block has
+    no_extra_keys: dict[int, Any] = {}  # 0.23 keeps one key per block
 
     def insert(key: Any, block: Any) -> None:
         size = attention.get(get_group_id(key))
@@ -845,7 +852,8 @@ def _evict_duplicates(coordinator: Any, state: CoordinatorState) -> None:
         original(key, block)
         if (old is not None and old is not block and old.ref_cnt == 0
                 and old.prev_free_block is not None and old.block_hash == key
-                and not extra_keys.get(old.block_id)
+                and not getattr(pool, "cached_block_hashes_by_block", no_extra_keys).get(
+                    old.block_id)
                 and pool._maybe_evict_cached_block(old)):
             queue.remove(old)
             queue.prepend_n([old])
@@ -940,7 +948,8 @@ def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length:
     state = state_of(self)
     if not state.evicts_coherently and align.active_policy().coherent_eviction:
         _evict_coherently(self, state)  # before anything this cache holds is evicted
-    if not state.evicts_duplicates and align.active_policy().duplicate_eviction:
+    if (state.duplicates_map is not self.block_pool.cached_block_hash_to_block
+            and align.active_policy().duplicate_eviction):
         _evict_duplicates(self, state)
     managers = _mamba_managers(self)
     if result[1] > 0 and managers:
