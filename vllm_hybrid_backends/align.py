@@ -69,7 +69,8 @@ per-request paths then read no environment variable):
   block size (0.32+), a prompt that forks from recent ones (shares a prefix, ending inside a
   block, that one of them went on past) gets a chunk end and a Mamba state there, and its
   attention block a key at that unit (:mod:`vllm_hybrid_backends.junctions`), so every later
-  prompt sharing the prefix hits it (a system prompt shorter than a block, most of all). vLLM does this only for EAGLE drafts.
+  prompt sharing the prefix hits it (a system prompt shorter than a block, most of all).
+  vLLM does this only for EAGLE drafts.
 - ``VLLM_HYBRID_MAMBA_GRID`` (default 1): when the scheduler's block size is smaller than the
   Mamba block size, floor non-final chunk ends to the Mamba grid, so a state is never cached
   under the wrong boundary (vLLM #54076).

@@ -40,8 +40,8 @@ class SeenPrefixes:
     the newest and every prefix of a remembered one is remembered too (the search in
     :meth:`longest` relies on it). Each key also says whether a prompt recorded with it went on
     past that prefix (:meth:`continued`; it stays set while the key is remembered, even once
-    that prompt's longer prefixes are forgotten). Keys are Python's ``hash`` of vLLM's block hashes: a
-    collision can only suggest a junction, never a hit (vLLM looks the real hash up).
+    that prompt's longer prefixes are forgotten). Keys are Python's ``hash`` of vLLM's block
+    hashes: a collision can only suggest a junction, never a hit (vLLM looks the real hash up).
     """
 
     __slots__ = ("capacity", "_seen")

@@ -808,8 +808,8 @@ def _evict_coherently(coordinator: Any, state: CoordinatorState) -> None:
                     queue.remove(other)
                     dead.append(other)
                     if other_keys:  # the stats wrapper, if any, sits outside this one
-                        stats.record_evicted(other.block_id,
-                                             [k for k in other_keys if get_group_id(k) in mamba_ids])
+                        stats.record_evicted(other.block_id, [
+                            k for k in other_keys if get_group_id(k) in mamba_ids])
         if dead:
             queue.prepend_n(dead)
         return True
@@ -818,7 +818,8 @@ def _evict_coherently(coordinator: Any, state: CoordinatorState) -> None:
 
 
 def _evict_duplicates(coordinator: Any, state: CoordinatorState) -> None:
-    """Wrap the block pool's ``cached_block_hash_to_block.insert`` (on the instance, once): when
+    """Wrap the block pool's ``cached_block_hash_to_block.insert`` (on the instance, once per
+    map: ``reset_prefix_cache`` makes a new one, :func:`_record_hit` wraps that again): when
     a block is cached under a full attention block's key that a free block already holds (the
     key is that block's only one), the free copy is evicted after the insert and moved to the
     front of the free queue, with the uncached blocks. A hybrid hit ends at the deepest Mamba

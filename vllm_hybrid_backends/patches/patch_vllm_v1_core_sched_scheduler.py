@@ -41,8 +41,8 @@
   of them went on past; not where they all ended, as for a resend or a conversation's next
   turn, whose end state vLLM keeps) when that lies past the hit; vLLM's own shared-prefix
   checkpoint (``enable_mamba_shared_prefix_checkpoint``, which vLLM turns on only with EAGLE)
-  is switched on for that scheduler, so its split ends the chunk
-  at the junction and its Mamba managers cache the state there. The attention groups register
+  is switched on for that scheduler, so its split ends the chunk at the junction and its
+  Mamba managers cache the state there. The attention groups register
   a key at the junction on the block that holds it
   (``FullAttentionManager._cache_partial_tail_block``, which vLLM's ``cache_blocks`` calls only
   when the hash unit is below the block, wrapped to add it), so the next request that shares
