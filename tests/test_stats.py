@@ -58,3 +58,30 @@ def test_counters_cross_the_msgpack_channel(monkeypatch):
         stats_patch.revert()
         stats.reset()
     assert "hybrid" not in SchedulerStats.__dataclass_fields__
+
+
+@pytest.mark.parametrize(("hit", "reach", "states", "expected"), [
+    # a state at 40 was evicted, none ever at 8..32: kept, it would have given all 40 tokens
+    pytest.param(0, 40, {40: "evicted"}, {"evicted": 40}, id="evicted-at-the-reach"),
+    # past the deepest evicted state (24) no boundary ever had one: placement from there on
+    pytest.param(0, 48, {8: "evicted", 24: "evicted"},
+                 {"evicted": 24, stats.NO_STATE: 24}, id="placement-past-an-evicted-state"),
+    # the deepest state decides, whatever a shallower one was
+    pytest.param(8, 40, {16: "evicted", 32: "groups_disagreed"},
+                 {"groups_disagreed": 24, stats.NO_STATE: 8}, id="deepest-decides"),
+    pytest.param(0, 32, {}, {stats.NO_STATE: 32}, id="never-a-state"),
+    # hit and reach off the 8-token grid: only whole chunks past the hit count
+    pytest.param(5, 30, {16: "evicted"}, {"evicted": 16, stats.NO_STATE: 8}, id="off-grid"),
+    pytest.param(24, 30, {}, {}, id="no-chunk-past-the-hit"),
+])
+def test_the_deepest_boundary_with_a_state_decides_the_gap_up_to_it(hit, reach, states, expected):
+    asked = []
+
+    def reason_at(position):
+        asked.append(position)
+        return states.get(position, stats.NO_STATE)
+
+    assert stats.attribute_gap(hit, reach, 8, reason_at) == expected
+    deepest = max((p for p in states if hit < p <= reach), default=None)
+    # walked down from the reach, and no further than the deepest state
+    assert asked == sorted(asked, reverse=True) and (deepest is None or min(asked) == deepest)

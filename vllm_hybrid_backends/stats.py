@@ -165,9 +165,35 @@ def attention_reach(coordinator: Any, mamba_managers: list[Any], block_hashes: A
     return reach
 
 
+NO_STATE = "no_mamba_state_at_boundary"
+
+
+def attribute_gap(hit: int, reach: int, step: int, reason_at: Any) -> dict[str, int]:
+    """Split the tokens in ``(hit, reach]`` that a hit could not reach by cause, in ``step``
+    chunks: ``reason_at(p)`` says why the boundary ``p`` was no hit (a :data:`MISS_REASONS`
+    entry; :data:`NO_STATE` where no Mamba group ever held a state there).
+
+    The deepest boundary that has or had a state decides for everything up to it (with that
+    state kept, the hit would have reached it, whatever the boundaries before it had: an
+    evicted state there is capacity, not placement); the boundaries past it had no state,
+    which is placement. Walks from ``reach`` down and stops at that boundary."""
+    first, last = (hit // step + 1) * step, reach // step * step
+    position = last
+    while position >= first:
+        reason = reason_at(position)
+        if reason != NO_STATE:
+            missed = {reason: position - first + step}
+            if last > position:
+                missed[NO_STATE] = last - position
+            return missed
+        position -= step
+    return {NO_STATE: last - first + step} if last >= first else {}
+
+
 def classify_misses(coordinator: Any, mamba_managers: list[Any], block_hashes: Any,
                     hit: int, max_length: int) -> dict[str, int]:
-    """Why each Mamba-block chunk past ``hit`` that the attention groups hold was missed.
+    """Why the Mamba-block chunks past ``hit`` that the attention groups hold were missed
+    (:func:`attribute_gap`).
 
     The same reasons as the replay's lookup-time attribution, with the attention groups'
     reach now (not the replay's attention-only run) as the bound. Runs per lookup.
@@ -182,9 +208,8 @@ def classify_misses(coordinator: Any, mamba_managers: list[Any], block_hashes: A
     step = mamba_managers[0].block_size
     groups = [(coordinator.single_type_managers.index(m), m.block_size,
                group_hashes(block_hashes, hash_size, m.block_size)) for m in mamba_managers]
-    reasons: dict[str, int] = {}
-    position = (hit // step + 1) * step
-    while position <= reach:
+
+    def reason_at(position: int) -> str:
         have, evicted = [], []
         for gid, size, hashes in groups:
             index = position // size - 1
@@ -193,11 +218,7 @@ def classify_misses(coordinator: Any, mamba_managers: list[Any], block_hashes: A
             have.append(known and bool(cached.get_one_block(group_key)))
             evicted.append(known and was_evicted(group_key))
         if not any(have):
-            reason = "evicted" if any(evicted) else "no_mamba_state_at_boundary"
-        elif not all(have):
-            reason = "groups_disagreed"
-        else:
-            reason = "other"
-        reasons[reason] = reasons.get(reason, 0) + step
-        position += step
-    return reasons
+            return "evicted" if any(evicted) else NO_STATE
+        return "other" if all(have) else "groups_disagreed"
+
+    return attribute_gap(hit, reach, step, reason_at)

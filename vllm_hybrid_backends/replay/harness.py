@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import stats
 from .engine_config import EngineSetup, KVLayout, build_engine_setup
 from .oracle import FakeHybridWorker, Mismatch
 from .policy import Policy
@@ -294,7 +295,9 @@ class _Instruments:
         return make_block_hash_with_group_id(block_hash, group) in self.evicted_mamba_keys
 
     def classify_misses(self, request: Any, hit: int, bound: int) -> dict[str, int]:
-        """Why each hit-sized chunk in ``(hit, bound]`` was not a hit for this lookup.
+        """Why the hit-sized chunks in ``(hit, bound]`` were not a hit for this lookup
+        (:func:`vllm_hybrid_backends.stats.attribute_gap`: the deepest boundary with a state
+        decides up to it, the boundaries past it had none).
 
         Chunks are as long as vLLM's hit granularity: the scheduler block, or with sub-block
         hits (``prefix_match_unit``) the hash unit. A state or partial block at boundary ``p``
@@ -324,9 +327,7 @@ class _Instruments:
                     return False
             return True
 
-        reasons: dict[str, int] = {}
-        p = (hit // step + 1) * step
-        while p <= bound:
+        def reason_at(p: int) -> str:
             have, evicted = [], []
             for g in self.setup.mamba_group_ids:
                 index = p // hash_size - 1
@@ -334,14 +335,10 @@ class _Instruments:
                 have.append(known and self.has_key(block_hashes[index], g))
                 evicted.append(known and self.was_evicted(block_hashes[index], g))
             if not any(have):
-                reason = "evicted" if any(evicted) else "no_mamba_state_at_boundary"
-            elif not all(have) or not attention_at(p):
-                reason = "groups_disagreed"
-            else:
-                reason = "other"
-            reasons[reason] = reasons.get(reason, 0) + step
-            p += step
-        return reasons
+                return "evicted" if any(evicted) else stats.NO_STATE
+            return "groups_disagreed" if not all(have) or not attention_at(p) else "other"
+
+        return stats.attribute_gap(hit, bound, step, reason_at)
 
 
 def _check_cpu_tier(config: ReplayConfig, with_pd: bool) -> None:

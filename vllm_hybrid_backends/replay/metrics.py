@@ -7,13 +7,15 @@ prompt + output, prompt_len - 1)``, are split into the hit and the reasons for t
 - ``prefix_shorter_than_block``: the part of ``ideal`` past its last full hash block (a shared
   prefix shorter than one block is entirely this);
 - ``evicted``: full blocks the attention-only bound run could not reuse either (its KV was
-  evicted), plus chunks whose Mamba state existed but had been evicted at lookup time;
-- ``no_mamba_state_at_boundary``: chunks the attention-only run reused, where no Mamba group
-  ever held a state at the chunk's end boundary;
-- ``groups_disagreed``: chunks where some Mamba groups held the boundary state and others did
-  not, or the Mamba state was there but the attention blocks before it were not;
-- ``other``: anything left (a chunk every group had at lookup time but the lookup still
-  missed; expected to stay 0).
+  evicted), plus the chunks up to the deepest boundary whose Mamba state existed but had been
+  evicted at lookup time (kept, it would have given the hit all of them);
+- ``no_mamba_state_at_boundary``: chunks the attention-only run reused past the deepest
+  boundary where any Mamba group ever held a state;
+- ``groups_disagreed``: the chunks up to the deepest boundary where some Mamba groups held
+  the state and others did not, or the Mamba state was there but the attention blocks
+  before it were not;
+- ``other``: anything left (the chunks up to a boundary every group had at lookup time, with
+  its attention blocks, that the lookup still missed; expected to stay 0).
 
 The hybrid-run chunks are classified when the request's prefix-cache lookup runs (the last
 lookup before admission), against the block pool's state at that moment.
