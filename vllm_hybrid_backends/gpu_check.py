@@ -12,17 +12,26 @@ Needs only torch, triton and pluggy (no vLLM). On the visible CUDA/HIP GPU it ru
    device-to-device ``copy_`` of the same bytes.
 
 Without a GPU it prints one line and exits with status 2.
+
+``--interior [--vllm-source DIR]`` checks instead the interior Mamba states of the device path
+with vLLM's own GDN (FLA) and Mamba2 (SSD) Triton kernels (:mod:`.gpu_check_interior`): from the
+installed vLLM, or from a copy of its kernel sources in ``DIR`` on a machine without vLLM
+(:mod:`.vllm_source`; ``scripts/gpu_vllm_source.sh DIR`` makes one). Exit status 0 when every
+check passes, 1 when one fails, 2 without a GPU, 3 (one line) when vLLM's kernels cannot be
+loaded.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 NO_GPU_EXIT = 2
+NO_KERNELS_EXIT = 3
 
 try:
     import pluggy  # noqa: F401  (the backends' hook registry)
@@ -375,13 +384,71 @@ def run(as_json: bool, fuzz: int = 0) -> int:
     return 0 if not failed else 1
 
 
+def run_interior(as_json: bool, vllm_source: str | None, device: str = "cuda") -> int:
+    """``--interior``: :mod:`.gpu_check_interior`'s table; ``device="cpu"`` runs it under the
+    Triton interpreter (``TRITON_INTERPRET=1`` set before the process started; tests)."""
+    from . import vllm_source as source
+
+    try:
+        if vllm_source is not None:
+            vllm_source = source.check_tree(vllm_source)
+    except source.VllmSourceError as exc:
+        print(f"gpu-check: {exc}", file=sys.stderr)
+        return NO_KERNELS_EXIT
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"gpu-check: no CUDA/HIP GPU visible to torch {torch.__version__} "
+              f"(CUDA build {torch.version.cuda}, HIP build {torch.version.hip}); "
+              "run it on a machine with a GPU", file=sys.stderr)
+        return NO_GPU_EXIT
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("gpu-check: --device cpu runs the kernels under the Triton interpreter: set "
+              "TRITON_INTERPRET=1 before starting Python", file=sys.stderr)
+        return NO_GPU_EXIT
+    from . import gpu_check_interior as interior
+
+    try:
+        kernels = interior.load_kernels(vllm_source, interpret=device == "cpu")
+        backend, results = interior.run_checks(kernels, device)
+    except source.VllmSourceError as exc:
+        print(f"gpu-check: {exc}", file=sys.stderr)
+        return NO_KERNELS_EXIT
+    failed = [r.check for r in results if not r.ok]
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
+    if as_json:
+        print(json.dumps({"device": name, "torch": torch.__version__, "backend": backend,
+                          "vllm": kernels.source, "vllm_version": _vllm_version(),
+                          "interior": [r.to_json() for r in results], "ok": not failed}, indent=2))
+    else:
+        print(f"device {name}, torch {torch.__version__}, backend {backend}, "
+              f"vLLM {_vllm_version()} kernels from {kernels.source}")
+        print("\n".join(interior.report(results)))
+        print("\nOK" if not failed else f"\nFAILED: {', '.join(failed)}")
+    return 0 if not failed else 1
+
+
+def _vllm_version() -> str | None:
+    from .compat import installed_vllm_version
+
+    return installed_vllm_version()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vllm_hybrid_backends.gpu_check",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--fuzz", type=int, default=0, metavar="N",
                         help="also N random layouts per copy hook against the reference")
+    parser.add_argument("--interior", action="store_true",
+                        help="check the interior GDN / Mamba2 states with vLLM's own kernels instead")
+    parser.add_argument("--vllm-source", metavar="DIR",
+                        help="with --interior: load vLLM's kernels from DIR/vllm (no vLLM installed)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help=argparse.SUPPRESS)  # cpu: under TRITON_INTERPRET=1 (tests)
     args = parser.parse_args(argv)
+    if (args.vllm_source or args.device != "cuda") and not args.interior:
+        parser.error("--vllm-source and --device go with --interior")
+    if args.interior:
+        return run_interior(args.json, args.vllm_source, args.device)
     if args.fuzz < 0:
         parser.error(f"--fuzz must be >= 0, got {args.fuzz}")
     return run(args.json, args.fuzz)

@@ -115,7 +115,6 @@ def vllm_triton_ssd_scan(tmp_path):
 
 
 _FLA_CHUNK_RUNNER = """
-import builtins
 import importlib
 import sys
 
@@ -127,28 +126,9 @@ for name in [m for m in sys.modules if m.startswith(FLA)]:
     del sys.modules[name]
 chunk = importlib.import_module(FLA + ".ops.chunk")
 
-# Two constructs of FLA's kernels the interpreter cannot run as written:
-# 1. op.py binds tl.exp / tl.exp2 / tl.log ... to module names (``exp = tl.exp``); the
-#    interpreter swaps its builtins in as attributes of ``triton.language`` while a kernel
-#    runs, so a name bound before still holds the compiled-mode builtin ("Did you forget to
-#    add @triton.jit ?"). Such names are rebound to look the builtin up at call time.
-# 2. chunk_delta_h's kernel calls ``i_t.to(tl.int64)`` on its ``for i_t in range(NT)`` index,
-#    a Python int under the interpreter ("'int' object has no attribute 'to'"); that module's
-#    ``range`` yields interpreter scalars instead.
-def looked_up(name):
-    return lambda *args, **kwargs: getattr(tl, name)(*args, **kwargs)
-
-for name, module in list(sys.modules.items()):
-    if name.startswith(FLA):
-        for attr, value in list(vars(module).items()):
-            if tl.core.is_builtin(value):
-                setattr(module, attr, looked_up(value.__name__))
-
-def scalar_range(*args):
-    for i in builtins.range(*(int(a) for a in args)):
-        yield tl.full((), i, tl.int32)
-
-sys.modules[FLA + ".ops.chunk_delta_h"].range = scalar_range
+# what FLA's kernels need to run under the interpreter (the gpu check's --device cpu uses it too)
+from vllm_hybrid_backends.vllm_source import interpreter_workarounds
+interpreter_workarounds()  # vllm.third_party.flash_linear_attention.ops.*
 
 from vllm_hybrid_backends.patches import (
     patch_vllm_third_party_flash_linear_attention_ops_chunk as wrap,
