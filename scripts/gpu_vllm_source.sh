@@ -19,6 +19,14 @@ if [ "$vllm" = - ]; then
     echo "gpu_vllm_source: vLLM is not installed for $py (PYTHON=... picks another)" >&2
     exit 1
 fi
+# never the installed packages themselves (OUT their site-packages): those would be deleted
+for pkg in "$vllm" "$einops"; do
+    [ "$pkg" != - ] && [ -d "$out/$(basename "$pkg")" ] || continue
+    if [ "$(cd "$out/$(basename "$pkg")" && pwd -P)" = "$(cd "$pkg" && pwd -P)" ]; then
+        echo "gpu_vllm_source: $out/$(basename "$pkg") is the installed $(basename "$pkg") itself; pick another OUT" >&2
+        exit 1
+    fi
+done
 rm -rf "$out/vllm" "$out/einops"
 mkdir -p "$out"
 copy() {  # copy FILE... (relative to vLLM's package directory)
@@ -28,7 +36,11 @@ copy() {  # copy FILE... (relative to vLLM's package directory)
     done
 }
 copy _version.py envs.py utils/math_utils.py utils/gpu_sync_debug.py \
-    v1/attention/backends/mamba_attn.py third_party/flash_linear_attention/LICENSE
+    v1/attention/backends/mamba_attn.py
+# FLA's license, where the tree has it (a wheel's unpacked Python sources may not)
+if [ -f "$vllm/third_party/flash_linear_attention/LICENSE" ]; then
+    copy third_party/flash_linear_attention/LICENSE
+fi
 (cd "$vllm" && find third_party/flash_linear_attention/ops model_executor/layers/mamba/ops \
     -maxdepth 1 -name '*.py') | while read -r f; do copy "$f"; done
 if [ "$einops" != - ]; then

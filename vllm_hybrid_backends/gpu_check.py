@@ -18,7 +18,7 @@ with vLLM's own GDN (FLA) and Mamba2 (SSD) Triton kernels (:mod:`.gpu_check_inte
 installed vLLM, or from a copy of its kernel sources in ``DIR`` on a machine without vLLM
 (:mod:`.vllm_source`; ``scripts/gpu_vllm_source.sh DIR`` makes one). Exit status 0 when every
 check passes, 1 when one fails, 2 without a GPU, 3 (one line) when vLLM's kernels cannot be
-loaded.
+loaded or that vLLM predates the check (0.32+: ``vllm_source.support_problem``).
 """
 
 from __future__ import annotations
@@ -392,6 +392,9 @@ def run_interior(as_json: bool, vllm_source: str | None, device: str = "cuda") -
     try:
         if vllm_source is not None:
             vllm_source = source.check_tree(vllm_source)
+        elif (root := source.installed_root()) is not None and (problem := source.support_problem(root)):
+            raise source.VllmSourceError(f"the installed vLLM ({os.path.join(root, 'vllm')}) {problem}; "
+                                         "pass --vllm-source DIR with a vLLM 0.32+ tree")
     except source.VllmSourceError as exc:
         print(f"gpu-check: {exc}", file=sys.stderr)
         return NO_KERNELS_EXIT

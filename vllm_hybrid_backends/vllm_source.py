@@ -36,6 +36,7 @@ copy of ``site-packages/vllm``, or the subset ``scripts/gpu_vllm_source.sh`` cop
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
 import importlib
@@ -44,6 +45,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import re
 import sys
 import types
 from collections.abc import Callable
@@ -53,6 +55,10 @@ from typing import Any
 REQUIRED = ("_version.py", "third_party/flash_linear_attention/ops/chunk.py",
             "model_executor/layers/mamba/ops/ssd_combined.py",
             "v1/attention/backends/mamba_attn.py")
+#: vLLM's Mamba chunk table (module, ``Class.method``); its file, relative to ``DIR/vllm``.
+CHUNK_METADATA = ("vllm.v1.attention.backends.mamba_attn",
+                  "BaseMambaAttentionMetadataBuilder._compute_chunk_metadata")
+CHUNK_METADATA_FILE = "v1/attention/backends/mamba_attn.py"
 FLA = "vllm.third_party.flash_linear_attention.ops"
 SSD = "vllm.model_executor.layers.mamba.ops"
 
@@ -90,11 +96,11 @@ class _Platform:
     """``current_platform`` as far as the FLA and SSD kernel modules ask."""
 
     def __init__(self, interpret: bool) -> None:
-        import torch
+        from .device import cuda_build, hip_build
 
         self.interpret = interpret
-        self.hip = not interpret and getattr(torch.version, "hip", None) is not None
-        self.cuda = not interpret and not self.hip and torch.version.cuda is not None
+        self.hip = not interpret and hip_build()
+        self.cuda = not interpret and cuda_build()
         self.device_name = "cuda" if not interpret else "interpreter"
 
     def is_cuda(self) -> bool:
@@ -274,18 +280,83 @@ class VllmSourceFinder(importlib.abc.MetaPathFinder):
             "stand-ins (vllm_hybrid_backends/vllm_source.py)", name=name)
 
 
-def check_tree(root: str) -> str:
-    """``root`` made absolute, or :class:`VllmSourceError` naming what is missing."""
-    root = os.path.abspath(root)
-    absent = [os.path.join(root, "vllm", p) for p in REQUIRED
-              if not os.path.isfile(os.path.join(root, "vllm", p))]
+def tree_version(root: str) -> str | None:
+    """``__version__`` of the ``vllm/`` tree under ``root``, read from ``vllm/_version.py``
+    without running it; None when that file is absent or names no version."""
+    try:
+        with open(os.path.join(root, "vllm", "_version.py"), encoding="utf-8") as source:
+            text = source.read()
+    except OSError:
+        return None
+    found = re.search(r"^__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]", text, re.M)
+    return found.group(1) if found else None
+
+
+def chunk_metadata_takes_checkpoints(path: str) -> bool:
+    """Whether ``path`` (vLLM's ``mamba_attn.py``) defines ``CHUNK_METADATA``'s method with a
+    ``checkpoint_offsets_p`` parameter (vLLM 0.32+: the prefill checkpoints the Mamba2 plan
+    builds on); read from the file, not imported."""
+    try:
+        with open(path, encoding="utf-8") as source:
+            tree = ast.parse(source.read(), path)
+    except (OSError, SyntaxError):
+        return False
+    owner, name = CHUNK_METADATA[1].split(".")
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == owner:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == name:
+                    params = item.args.posonlyargs + item.args.args + item.args.kwonlyargs
+                    return any(a.arg == "checkpoint_offsets_p" for a in params)
+    return False
+
+
+def support_problem(root: str) -> str | None:
+    """Why the ``vllm/`` tree under ``root`` cannot run the interior check (one clause naming
+    its version and the need), or None when it can. Read from its files: nothing imported."""
+    vllm = os.path.join(root, "vllm")
+    absent = [os.path.join(vllm, p) for p in REQUIRED if not os.path.isfile(os.path.join(vllm, p))]
+    version = tree_version(root)
+    if version is None:
+        missing = absent[0] if absent else os.path.join(vllm, "_version.py")
+        return (f"no vLLM kernel sources there ({missing} is missing); it needs a vllm/ tree "
+                "(0.32+) with third_party/flash_linear_attention/ops and "
+                "model_executor/layers/mamba/ops, e.g. made by `bash scripts/gpu_vllm_source.sh "
+                "DIR` on a machine with vLLM installed")
     if absent:
+        why = f"{absent[0]} is missing"
+    elif not chunk_metadata_takes_checkpoints(os.path.join(vllm, CHUNK_METADATA_FILE)):
+        why = f"its {CHUNK_METADATA[1]} takes no checkpoint_offsets_p"
+    else:
+        return None
+    return f"holds vLLM {version}; the interior check needs vLLM 0.32+ ({why})"
+
+
+def check_tree(root: str) -> str:
+    """``root`` made absolute, or :class:`VllmSourceError` naming what is missing: checked
+    before anything of it is imported."""
+    root = os.path.abspath(root)
+    if not os.path.isdir(os.path.join(root, "vllm")) and os.path.isfile(os.path.join(root, "_version.py")) \
+            and os.path.basename(root) == "vllm":
         raise VllmSourceError(
-            f"--vllm-source {root}: no vLLM kernel sources there ({absent[0]} is missing); it "
-            "needs a vllm/ tree (0.32+) with third_party/flash_linear_attention/ops and "
-            "model_executor/layers/mamba/ops, e.g. made by `bash scripts/gpu_vllm_source.sh "
-            "DIR` on a machine with vLLM installed")
+            f"--vllm-source {root}: that is the vllm/ package itself; DIR is the folder "
+            f"containing vllm/ (--vllm-source {os.path.dirname(root)})")
+    problem = support_problem(root)
+    if problem is not None:
+        raise VllmSourceError(f"--vllm-source {root}{'' if problem.startswith('holds') else ':'} {problem}")
     return root
+
+
+def installed_root() -> str | None:
+    """The folder containing the installed (importable) ``vllm`` package, found without
+    importing it; None when there is none."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.dirname(os.path.abspath(list(spec.submodule_search_locations)[0]))
 
 
 def install(root: str, interpret: bool = False) -> VllmSourceFinder:
@@ -310,17 +381,6 @@ def install(root: str, interpret: bool = False) -> VllmSourceFinder:
     return finder
 
 
-def uninstall(finder: VllmSourceFinder) -> None:
-    """Remove ``finder`` and every ``vllm`` module it loaded (tests)."""
-    if finder in sys.meta_path:
-        sys.meta_path.remove(finder)
-    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
-        del sys.modules[name]
-    from . import compat
-
-    compat.installed_vllm_version.cache_clear()
-
-
 def vllm_function(module: str, qualname: str, namespace: dict[str, Any]) -> Callable[..., Any]:
     """vLLM's function ``qualname`` (``Class.method`` or ``function``) from ``module``'s file,
     compiled alone with the globals ``namespace`` (for code in a module whose imports pull
@@ -339,7 +399,7 @@ def vllm_function(module: str, qualname: str, namespace: dict[str, Any]) -> Call
             raise VllmSourceError(f"{module}.{qualname}: not in {spec.origin}")
     node.decorator_list = []
     code = compile(ast.Module(body=[node], type_ignores=[]), spec.origin, "exec",
-                   flags=__import__("__future__").annotations.compiler_flag, dont_inherit=True)
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
     scope = dict(namespace)
     exec(code, scope)  # noqa: S102  (vLLM's own function, from its file)
     function: Callable[..., Any] = scope[node.name]
