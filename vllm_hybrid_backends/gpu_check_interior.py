@@ -213,6 +213,19 @@ def _check_bound(result: Result, against: str) -> None:
 GDN_BLOCK = 128
 
 
+def gdn_step(pick: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """The gated-delta-net step of :func:`check_gdn` (and of the interpreted tests): query
+    starts, sequence lengths, a block table with blocks for 128 and 256 of row 2 and 256 of row
+    3 (384 of row 3 left at the null block), and those three blocks, drawn by ``pick``."""
+    query_start = torch.tensor([0, 1, 101, 401, 681])
+    seq_lens = torch.tensor([500, 100, 300, 408])
+    table = torch.zeros(4, 5, dtype=torch.int32)
+    blocks = pick.sample(range(1, NUM_BLOCKS), 3)
+    table[2, [0, 1]] = torch.tensor(blocks[:2], dtype=torch.int32)
+    table[3, 1] = blocks[2]
+    return query_start, seq_lens, table, blocks
+
+
 def check_gdn(kernels: Kernels, dtype: torch.dtype, device: str, heads: int, dim: int,
               seed: int = 0) -> Result:
     """A decode, then prefill rows [0, 100) fresh, [0, 300) fresh with boundaries 128 and 256
@@ -225,13 +238,7 @@ def check_gdn(kernels: Kernels, dtype: torch.dtype, device: str, heads: int, dim
     from .testing.gdn_reference import gated_delta_rule_state
 
     result = Result(f"gdn {_name(dtype)}", tolerance=TOLERANCE[("gdn", dtype)])
-    pick = random.Random(seed)
-    query_start = torch.tensor([0, 1, 101, 401, 681])
-    seq_lens = torch.tensor([500, 100, 300, 408])
-    table = torch.zeros(4, 5, dtype=torch.int32)
-    blocks = pick.sample(range(1, NUM_BLOCKS), 3)
-    table[2, [0, 1]] = torch.tensor(blocks[:2], dtype=torch.int32)
-    table[3, 1] = blocks[2]
+    query_start, seq_lens, table, blocks = gdn_step(random.Random(seed))
     plan = gdn_plan.plan_device_states(table.to(device), query_start, seq_lens, 1, 3, GDN_BLOCK)
     want_dst = [blocks[0], blocks[1], blocks[2], -1]
     if plan is None or plan.batch.dst_block.tolist() != want_dst:

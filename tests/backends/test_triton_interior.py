@@ -20,7 +20,7 @@ import types
 import pytest
 import torch
 
-from vllm_hybrid_backends import patches, plugins, reference
+from vllm_hybrid_backends import gpu_check_interior, patches, plugins, reference
 from vllm_hybrid_backends.backends.triton import tuning
 from vllm_hybrid_backends.backends.triton.backend import TritonBackend
 from vllm_hybrid_backends.hookspecs import hookimpl
@@ -330,13 +330,8 @@ def _gdn_step(pick):
     """A decode, then three prefill rows (decode first, as vLLM orders them): [0, 100) fresh
     with no boundary inside, [0, 300) fresh with 128 and 256 inside, [128, 408) from a state
     with 256 (block) and 384 (null: the manager gave it no block) inside."""
-    query_start = torch.tensor([0, 1, 101, 401, 681])
-    seq_lens = torch.tensor([500, 100, 300, 408])
-    table = torch.zeros(4, 5, dtype=torch.int32)
-    blocks = pick.sample(range(1, NUM_BLOCKS), 3)
-    table[2, [0, 1]] = torch.tensor(blocks[:2], dtype=torch.int32)
-    table[3, 1] = blocks[2]
-    return query_start, seq_lens, table
+    assert NUM_BLOCKS == gpu_check_interior.NUM_BLOCKS
+    return gpu_check_interior.gdn_step(pick)[:3]
 
 
 def test_gdn_device_plan_finds_each_boundarys_chunk_state_and_block(rng):
