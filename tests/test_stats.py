@@ -70,7 +70,8 @@ def test_counters_cross_the_msgpack_channel(monkeypatch):
     pytest.param(8, 40, {16: "evicted", 32: "groups_disagreed"},
                  {"groups_disagreed": 24, stats.NO_STATE: 8}, id="deepest-decides"),
     pytest.param(0, 32, {}, {stats.NO_STATE: 32}, id="never-a-state"),
-    # hit and reach off the 8-token grid: only whole chunks past the hit count
+    # hit and reach off the 8-token grid: the chunk holding the hit counts whole (the replay's
+    # hits and bounds lie on the grid), the one the reach cuts does not
     pytest.param(5, 30, {16: "evicted"}, {"evicted": 16, stats.NO_STATE: 8}, id="off-grid"),
     pytest.param(24, 30, {}, {}, id="no-chunk-past-the-hit"),
 ])
@@ -85,3 +86,16 @@ def test_the_deepest_boundary_with_a_state_decides_the_gap_up_to_it(hit, reach, 
     deepest = max((p for p in states if hit < p <= reach), default=None)
     # walked down from the reach, and no further than the deepest state
     assert asked == sorted(asked, reverse=True) and (deepest is None or min(asked) == deepest)
+
+
+@pytest.mark.parametrize(("have", "evicted", "attention", "reason"), [
+    pytest.param([False, False], [False, False], True, stats.NO_STATE, id="never-a-state"),
+    pytest.param([False, False], [True, False], True, "evicted", id="evicted-everywhere-it-was"),
+    pytest.param([True, False], [False, True], True, "evicted", id="one-group-evicted"),
+    pytest.param([True, False], [False, False], True, "groups_disagreed", id="one-group-never"),
+    pytest.param([True, True], [False, False], False, "evicted", id="attention-prefix-evicted"),
+    pytest.param([True, True], [False, False], True, "other", id="all-there"),
+])
+def test_a_state_lost_to_eviction_is_capacity_and_only_a_group_that_never_had_it_disagrees(
+        have, evicted, attention, reason):
+    assert stats.miss_reason(have, evicted, attention) == reason

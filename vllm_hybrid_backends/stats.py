@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 STATS_ENV = "VLLM_HYBRID_STATS"
@@ -168,7 +169,21 @@ def attention_reach(coordinator: Any, mamba_managers: list[Any], block_hashes: A
 NO_STATE = "no_mamba_state_at_boundary"
 
 
-def attribute_gap(hit: int, reach: int, step: int, reason_at: Any) -> dict[str, int]:
+def miss_reason(have: list[bool], evicted: list[bool], attention: bool) -> str:
+    """Why a boundary was no hit, from each Mamba group's state there (``have``: cached now,
+    ``evicted``: cached once and evicted) and whether the attention blocks before it are cached:
+    a state lost in any way (evicted in the groups that lack it, or its attention prefix
+    evicted) is ``evicted``; a group that never had it, beside ones that do,
+    ``groups_disagreed``; none ever, :data:`NO_STATE`."""
+    if not any(have):
+        return "evicted" if any(evicted) else NO_STATE
+    if not all(have):
+        return "evicted" if all(h or e for h, e in zip(have, evicted)) else "groups_disagreed"
+    return "other" if attention else "evicted"
+
+
+def attribute_gap(hit: int, reach: int, step: int,
+                  reason_at: Callable[[int], str]) -> dict[str, int]:
     """Split the tokens in ``(hit, reach]`` that a hit could not reach by cause, in ``step``
     chunks: ``reason_at(p)`` says why the boundary ``p`` was no hit (a :data:`MISS_REASONS`
     entry; :data:`NO_STATE` where no Mamba group ever held a state there).
@@ -217,8 +232,6 @@ def classify_misses(coordinator: Any, mamba_managers: list[Any], block_hashes: A
             group_key = make_block_hash_with_group_id(hashes[index], gid) if known else None
             have.append(known and bool(cached.get_one_block(group_key)))
             evicted.append(known and was_evicted(group_key))
-        if not any(have):
-            return "evicted" if any(evicted) else NO_STATE
-        return "other" if all(have) else "groups_disagreed"
+        return miss_reason(have, evicted, attention=True)
 
     return attribute_gap(hit, reach, step, reason_at)

@@ -334,9 +334,7 @@ class _Instruments:
                 known = index < len(block_hashes)
                 have.append(known and self.has_key(block_hashes[index], g))
                 evicted.append(known and self.was_evicted(block_hashes[index], g))
-            if not any(have):
-                return "evicted" if any(evicted) else stats.NO_STATE
-            return "groups_disagreed" if not all(have) or not attention_at(p) else "other"
+            return stats.miss_reason(have, evicted, attention_at(p) if all(have) else True)
 
         return stats.attribute_gap(hit, bound, step, reason_at)
 

@@ -7,13 +7,13 @@ prompt + output, prompt_len - 1)``, are split into the hit and the reasons for t
 - ``prefix_shorter_than_block``: the part of ``ideal`` past its last full hash block (a shared
   prefix shorter than one block is entirely this);
 - ``evicted``: full blocks the attention-only bound run could not reuse either (its KV was
-  evicted), plus the chunks up to the deepest boundary whose Mamba state existed but had been
-  evicted at lookup time (kept, it would have given the hit all of them);
+  evicted), plus the chunks up to the deepest boundary whose Mamba state was lost to eviction at
+  lookup time: evicted in every Mamba group that lacks it, or present with the attention blocks
+  before it evicted (kept, it would have given the hit all of them);
 - ``no_mamba_state_at_boundary``: chunks the attention-only run reused past the deepest
   boundary where any Mamba group ever held a state;
-- ``groups_disagreed``: the chunks up to the deepest boundary where some Mamba groups held
-  the state and others did not, or the Mamba state was there but the attention blocks
-  before it were not;
+- ``groups_disagreed``: the chunks up to the deepest boundary where some Mamba groups held the
+  state and another never had it;
 - ``other``: anything left (the chunks up to a boundary every group had at lookup time, with
   its attention blocks, that the lookup still missed; expected to stay 0).
 
