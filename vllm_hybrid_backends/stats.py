@@ -10,7 +10,7 @@ counts, in :data:`COUNTERS`:
 - ``reused``: prefix hits that end on a kept state, by the state's kind;
 - ``evicted``: kept states that vLLM's block pool evicted, by kind;
 - ``missed_tokens``: per lookup, the tokens the attention groups held past the hit that the
-  hit could not reach, in chunks of the scheduler block, by the replay's reasons
+  hit could not reach, in chunks of the Mamba block, by the replay's reasons
   (:data:`MISS_REASONS`, see :mod:`vllm_hybrid_backends.replay.metrics`).
 
 The scheduler patch hands the change since it last did to ``SchedulerStats.hybrid``
