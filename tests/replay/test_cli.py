@@ -177,7 +177,7 @@ def test_replay_reads_a_hash_block_trace(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert status == 0 and report["num_requests"] == 8
     assert report["workload_params"] == {"format": "hash-block", "hash_block_size": 256,
-                                         "time_scale": 2.0, "limit": 8}
+                                         "timestamp_unit": "ms", "time_scale": 2.0, "limit": 8}
     upstream, plugin = report["policies"]["upstream"], report["policies"]["plugin"]
     assert upstream["state_mismatches"] == plugin["state_mismatches"] == 0
     assert plugin["token_hit_rate"] >= upstream["token_hit_rate"]
@@ -193,10 +193,11 @@ def test_prefix_match_unit_on_an_older_vllm_names_the_version(monkeypatch, capsy
         "vLLM is" in capsys.readouterr().err
 
 
-def test_trace_flags_need_a_trace(capsys):
-    assert main(["replay", "--workload", "short", "--limit", "3"]) == 2
-    assert "--hash-block-size, --time-scale and --limit apply to --trace only" in \
-        capsys.readouterr().err
+@pytest.mark.parametrize("flag", [["--limit", "3"], ["--timestamp-unit", "s"]])
+def test_trace_flags_need_a_trace(capsys, flag):
+    assert main(["replay", "--workload", "short", *flag]) == 2
+    assert "--hash-block-size, --timestamp-unit, --time-scale and --limit apply to --trace " \
+        "only" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -178,7 +178,9 @@ def test_hash_block_lines_become_shared_units(tmp_path):
     # uncovered tokens are unique to their line, even for an identical line
     assert c.prompt_token_ids[16:] != d.prompt_token_ids[16:]
     assert a.prompt_token_ids[16:32] != a.prompt_token_ids[:16]  # units differ
-    assert trace.params == {"format": "hash-block", "hash_block_size": 16}
+    assert trace.params == {"format": "hash-block", "hash_block_size": 16, "timestamp_unit": "ms"}
+    # the unit is read from the lines that have more than one id (the first two): 16
+    assert load_trace(_mooncake(tmp_path, MOONCAKE, "again.jsonl")).requests == trace.requests
 
 
 def test_hash_block_tokens_do_not_depend_on_the_process(tmp_path):
@@ -211,7 +213,7 @@ def test_time_scale_and_limit(tmp_path):
     pytest.param({"timestamp": 1, "input_length": 0, "output_length": 1, "hash_ids": [1]},
                  "'input_length' must be an integer >= 1, got 0", id="empty-prompt"),
     pytest.param({"timestamp": -5, "input_length": 4, "output_length": 1, "hash_ids": [1]},
-                 "'timestamp' must be a number of milliseconds >= 0, got -5", id="negative-time"),
+                 r"'timestamp' must be a number >= 0 \(in ms\), got -5", id="negative-time"),
     pytest.param({"timestamp": 1, "input_length": 4, "output_length": 1, "hash_ids": [1, "x"]},
                  r"'hash_ids'\[1\] is 'x'; hash ids are integers", id="string-hash"),
     pytest.param({"timestamp": 1, "input_length": 4, "output_length": 1, "hash_ids": 3},
@@ -337,3 +339,74 @@ def test_conversation_lines_whole_units_carry_only_full_units_and_the_answer():
         assert (a["session"], a["turn"]) == (b["session"], b["turn"])
         assert b["input_length"] == a["input_length"] + answers.get(a["session"], 0)
         answers[a["session"]] = answers.get(a["session"], 0) + a["output_length"]
+
+
+# ---- the hash unit and the timestamp unit, read from the trace ----------------------------------
+
+def _bailian(lines: list[dict]) -> list[dict]:
+    """conversation_lines in Alibaba's Qwen-Bailian layout: chat ids, seconds, request type."""
+    out, last_of_session = [], {}
+    for chat_id, line in enumerate(lines):
+        parent = last_of_session.get(line["session"], -1)
+        last_of_session[line["session"]] = chat_id
+        out.append({"chat_id": chat_id, "parent_chat_id": parent,
+                    "timestamp": line["timestamp"] / 1000, "input_length": line["input_length"],
+                    "output_length": line["output_length"], "type": "text",
+                    "turn": line["turn"] + 1, "hash_ids": line["hash_ids"]})
+    return out
+
+
+@pytest.mark.parametrize("unit", [16, 64, 512])
+def test_the_hash_unit_is_read_from_the_trace(tmp_path, unit):
+    from vllm_hybrid_backends.replay.workloads import ConversationShape, conversation_lines
+
+    lines = conversation_lines(ConversationShape(sessions=12), seed=3, unit=unit)
+    path = _mooncake(tmp_path, lines)
+    read = load_trace(path)
+    assert read.params["hash_block_size"] == unit
+    assert [r.prompt_token_ids for r in read.requests] == \
+        [r.prompt_token_ids for r in load_trace(path, hash_block_size=unit).requests]
+    # read with the other conventional unit the prompts differ (the flag is not ignored)
+    other = 16 if unit != 16 else 512
+    assert [r.prompt_token_ids for r in load_trace(path, hash_block_size=other).requests] != \
+        [r.prompt_token_ids for r in read.requests]
+
+
+def test_a_qwen_bailian_trace_reads_as_its_mooncake_twin(tmp_path):
+    from vllm_hybrid_backends.replay.workloads import ConversationShape, conversation_lines
+
+    lines = conversation_lines(ConversationShape(sessions=10), seed=5, unit=16)
+    mooncake = load_trace(_mooncake(tmp_path, lines), hash_block_size=16)
+    bailian = load_trace(_mooncake(tmp_path, _bailian(lines), "qwen_traceA_blksz_16.jsonl"))
+    assert bailian.params == {"format": "hash-block", "hash_block_size": 16,
+                              "timestamp_unit": "s"}
+    assert [r.prompt_token_ids for r in bailian.requests] == \
+        [r.prompt_token_ids for r in mooncake.requests]
+    assert [r.arrival_s for r in bailian.requests] == \
+        pytest.approx([r.arrival_s for r in mooncake.requests])
+    assert bailian.requests[-1].arrival_s > 10  # seconds, not 1000x compressed
+    # the unit can be forced either way
+    as_ms = load_trace(_mooncake(tmp_path, _bailian(lines), "b.jsonl"), timestamp_unit="ms")
+    assert [r.arrival_s for r in as_ms.requests] == \
+        pytest.approx([r.arrival_s / 1000 for r in bailian.requests])
+    with pytest.raises(ValueError, match="timestamp_unit must be one of ms, s, got 'us'"):
+        load_trace(_mooncake(tmp_path, _bailian(lines), "c.jsonl"), timestamp_unit="us")
+
+
+def test_a_trace_whose_ids_fit_no_unit_asks_for_it(tmp_path):
+    from vllm_hybrid_backends.replay.workloads import infer_hash_block_size
+
+    # ids cover about half of each prompt: no power of two fits most lines
+    lines = [{"timestamp": k, "input_length": 100 * k + 37, "output_length": 1,
+              "hash_ids": list(range(k + 1))} for k in range(1, 40)]
+    with pytest.raises(TraceError, match=r"x\.jsonl: cannot tell how many tokens a hash id "
+                       r"stands for: 128 tokens fit 1 of the 39 lines.*--hash-block-size"):
+        load_trace(_mooncake(tmp_path, lines, "x.jsonl"))
+    assert load_trace(_mooncake(tmp_path, lines, "y.jsonl"), hash_block_size=64).params[
+        "hash_block_size"] == 64
+    # one-id lines fit every unit: they decide nothing
+    assert infer_hash_block_size([(300, 1), (9000, 1)]) == 512
+    assert infer_hash_block_size([(300, 1), (40, 3), (33, 3)]) == 16
+    assert infer_hash_block_size([(1024, 2)] * 9 + [(5000, 2)]) == 512  # 9 of 10 fit
+    with pytest.raises(ValueError, match="512 tokens fit 8 of the 10 lines"):
+        infer_hash_block_size([(1024, 2)] * 8 + [(5000, 2)] * 2)

@@ -35,10 +35,15 @@ def add_parser(commands: Any) -> None:
     source.add_argument("--trace", metavar="PATH",
                         help="a JSONL or JSONL.gz trace: id, arrival_s, prompt_token_ids, "
                              "output_token_ids or max_tokens (one request per line); or a "
-                             "hash-block trace (Mooncake / vllm bench timed_trace: timestamp "
-                             "in ms, input_length, output_length, hash_ids)")
+                             "hash-block trace (Mooncake, Qwen-Bailian, vllm bench timed_trace: "
+                             "timestamp, input_length, output_length, hash_ids)")
     parser.add_argument("--hash-block-size", type=int, metavar="N", default=None,
-                        help="tokens per hash id of a hash-block trace (default 512)")
+                        help="tokens per hash id of a hash-block trace (default: read from the "
+                             "trace, the power of two that fits its lengths; Mooncake 512, "
+                             "Qwen-Bailian 16)")
+    parser.add_argument("--timestamp-unit", choices=("ms", "s"), default=None,
+                        help="unit of a hash-block trace's timestamps (default: s for "
+                             "Qwen-Bailian lines, which carry parent_chat_id; else ms)")
     parser.add_argument("--time-scale", type=float, metavar="X", default=1.0,
                         help="multiply the trace's arrival times by X (2 = half the rate)")
     parser.add_argument("--limit", type=int, metavar="N",
@@ -104,7 +109,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         sweep_prefix_match_units,
         sweep_units,
     )
-    from .workloads import DEFAULT_HASH_BLOCK_SIZE, TraceError, load_trace, make_workload
+    from .workloads import TraceError, load_trace, make_workload
 
     for name, value in (("--block-size", args.block_size), ("--cache-tokens", args.cache_tokens),
                         ("--timing-repeats", args.timing_repeats),
@@ -127,9 +132,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     if not args.trace and (args.hash_block_size is not None or args.limit is not None
-                           or args.time_scale != 1.0):
-        print("error: --hash-block-size, --time-scale and --limit apply to --trace only",
-              file=sys.stderr)
+                           or args.time_scale != 1.0 or args.timestamp_unit is not None):
+        print("error: --hash-block-size, --timestamp-unit, --time-scale and --limit apply to "
+              "--trace only", file=sys.stderr)
         return 2
     tier = args.kv_offloading_size
     if tier is not None:
@@ -164,8 +169,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         config.layout()  # refuses a bad --prefix-match-unit before any trace is read
         units = len(sweep_units(config)) if sweep else 1
         if args.trace:
-            trace = load_trace(args.trace, hash_block_size=args.hash_block_size or DEFAULT_HASH_BLOCK_SIZE,
-                               time_scale=args.time_scale, limit=args.limit)
+            trace = load_trace(args.trace, hash_block_size=args.hash_block_size,
+                               timestamp_unit=args.timestamp_unit, time_scale=args.time_scale,
+                               limit=args.limit)
         else:
             trace = make_workload(args.workload or "agentic", block_size=config.layout().block_size)
     except (TraceError, ReplayError, ValueError) as exc:

@@ -186,9 +186,14 @@ def render_table(report: Report) -> str:
     names = list(report.policies)
     m = report.policies
     width = max(12, *(len(n) + 2 for n in names))
+    read_as = ""
+    if trace.params.get("format") == "hash-block":
+        span = max((r.arrival_s for r in trace.requests), default=0.0)
+        read_as = (f" (hash-block trace: {trace.params['hash_block_size']} tokens per hash id, "
+                   f"timestamps in {trace.params['timestamp_unit']}, arrivals over {span:,.0f} s)")
     lines = [
         f"workload {trace.name}: {len(trace.requests)} requests, "
-        f"{trace.num_prompt_tokens:,} prompt tokens",
+        f"{trace.num_prompt_tokens:,} prompt tokens{read_as}",
         f"model shape {shape.name} ({shape.num_attention_layers} attention + "
         f"{shape.num_mamba_layers} {shape.state.kind} layers), block {report.block_size} tokens "
         f"({report.config.platform} rule), cache {report.config.cache_tokens:,} tokens = "

@@ -16,16 +16,22 @@ Trace lines (JSONL, optionally gzip-compressed ``.jsonl.gz``), one request per l
 - ``after`` (extension, optional): id of an earlier request; ``arrival_s`` then counts from the
   moment that request finishes (closed-loop sessions: a turn follows the previous answer).
 
-Hash-block traces (the Mooncake FAST'25 format, also what ``vllm bench serve --dataset-name
-timed_trace`` reads) are recognised by their ``hash_ids`` key and read as they are::
+Hash-block traces (the Mooncake FAST'25 format and Alibaba's Qwen-Bailian traces, both of
+which ``vllm bench serve --dataset-name timed_trace`` reads) are recognised by their
+``hash_ids`` key and read as they are::
 
     {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 48]}
+    {"chat_id": 159, "parent_chat_id": 55, "timestamp": 61.114, "input_length": 521,
+     "output_length": 132, "type": "text", "turn": 2, "hash_ids": [1089, 1090, ...]}
 
-- ``timestamp``: arrival in milliseconds (the first line's is time 0, an earlier one on a later
-  line is read as 0); ``input_length``: prompt
+- ``timestamp``: arrival time (the first line's is time 0, an earlier one on a later line is
+  read as 0), in ``timestamp_unit``: ``"ms"`` or ``"s"``; by default seconds for lines that carry
+  Bailian's ``parent_chat_id``, else milliseconds (Mooncake). ``input_length``: prompt
   tokens; ``output_length``: output tokens (0 is read as 1: a server always generates one);
-  ``hash_ids``: one id per shared unit of ``hash_block_size`` tokens (default 512). Other keys
-  are ignored.
+  ``hash_ids``: one id per shared unit of ``hash_block_size`` tokens (Mooncake 512, Bailian 16).
+  By default the unit is read from the trace: the power of two ``u`` with
+  ``len(hash_ids) == ceil(input_length / u)`` on the lines with more than one id
+  (:func:`infer_hash_block_size`). Other keys are ignored.
 - The same hash id gives the same tokens in any process (seeded from the id, never Python's
   ``hash``); a partial last unit is the first tokens of its id's unit. Prompt tokens beyond the
   units the hash ids cover are unique to the line; hash ids beyond ``input_length`` are dropped.
@@ -57,6 +63,7 @@ __all__ = [
     "TraceRequest",
     "WORKLOADS",
     "conversation_lines",
+    "infer_hash_block_size",
     "load_trace",
     "make_workload",
     "write_trace",
@@ -67,6 +74,13 @@ TOKEN_LOW, TOKEN_HIGH = 16, 32000
 TRACE_KEYS = ("id", "arrival_s", "prompt_token_ids", "output_token_ids", "max_tokens", "after")
 HASH_BLOCK_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 DEFAULT_HASH_BLOCK_SIZE = 512
+#: Seconds per ``timestamp`` unit of a hash-block trace.
+TIMESTAMP_UNITS = {"ms": 0.001, "s": 1.0}
+#: A key only Alibaba's Qwen-Bailian traces (timestamps in seconds) carry.
+BAILIAN_KEY = "parent_chat_id"
+#: Lines the hash unit is read from, and the share of them it must fit.
+UNIT_SAMPLE_LINES, UNIT_MIN_FIT = 2000, 0.9
+HASH_UNIT_CANDIDATES = tuple(1 << k for k in range(17))
 
 
 class TraceError(ValueError):
@@ -511,10 +525,12 @@ def _count(obj: dict[str, Any], key: str, low: int) -> int:
 class HashBlockReader:
     """Turns hash-block trace lines into requests; caches one unit of tokens per hash id."""
 
-    def __init__(self, hash_block_size: int) -> None:
+    def __init__(self, hash_block_size: int, timestamp_unit: str = "ms") -> None:
         self.unit = hash_block_size
+        self.timestamp_unit = timestamp_unit
+        self._seconds = TIMESTAMP_UNITS[timestamp_unit]
         self._units: dict[int, list[int]] = {}
-        self._first_ms: float | None = None
+        self._first: float | None = None
 
     def _unit_tokens(self, hash_id: int) -> list[int]:
         tokens = self._units.get(hash_id)
@@ -532,7 +548,8 @@ class HashBlockReader:
         stamp = obj["timestamp"]
         if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or \
                 not math.isfinite(stamp) or stamp < 0:
-            raise ValueError(f"'timestamp' must be a number of milliseconds >= 0, got {stamp!r}")
+            raise ValueError(f"'timestamp' must be a number >= 0 (in {self.timestamp_unit}), "
+                             f"got {stamp!r}")
         length = _count(obj, "input_length", 1)
         outputs = max(_count(obj, "output_length", 0), 1)
         hash_ids = obj["hash_ids"]
@@ -548,20 +565,73 @@ class HashBlockReader:
             prompt.extend(self._unit_tokens(hash_id)[:length - len(prompt)])
         if len(prompt) < length:
             prompt.extend(_seeded_tokens(f"hash-block-line:{number}", length - len(prompt)))
-        if self._first_ms is None:
-            self._first_ms = float(stamp)
+        if self._first is None:
+            self._first = float(stamp)
         rid = f"t{number}"
-        arrival = max(float(stamp) - self._first_ms, 0.0) / 1000.0
+        arrival = max(float(stamp) - self._first, 0.0) * self._seconds
         return TraceRequest(rid, prompt, generated_outputs(rid, outputs), arrival)
 
 
-def load_trace(path: str | Path, *, hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE,
-               time_scale: float = 1.0, limit: int | None = None) -> Trace:
+def infer_hash_block_size(lengths: Iterable[tuple[int, int]]) -> int:
+    """The tokens per hash id of a hash-block trace, from its lines' ``(input_length,
+    len(hash_ids))``: the power of two ``u`` with ``len(hash_ids) == ceil(input_length / u)`` on
+    most lines with more than one id (a one-id line fits every ``u >= input_length``).
+    :data:`DEFAULT_HASH_BLOCK_SIZE` when no line has two ids; ``ValueError`` when no power of two
+    fits :data:`UNIT_MIN_FIT` of them (ids that cover less than the prompt, or another unit)."""
+    votes: dict[int, int] = {}
+    informative = 0
+    for length, ids in lengths:
+        if ids < 2:
+            continue
+        informative += 1
+        for unit in HASH_UNIT_CANDIDATES:
+            if unit * (ids - 1) < length <= unit * ids:
+                votes[unit] = votes.get(unit, 0) + 1
+    if not informative:
+        return DEFAULT_HASH_BLOCK_SIZE
+    best = max(votes, key=votes.__getitem__, default=0)
+    fits = votes.get(best, 0)
+    if not best or fits < UNIT_MIN_FIT * informative:
+        found = f"{best} tokens fit {fits}" if best else "no power of two fits any"
+        raise ValueError(
+            f"cannot tell how many tokens a hash id stands for: {found} of the {informative} "
+            "lines with more than one id (len(hash_ids) == ceil(input_length / unit)); give "
+            "the unit (--hash-block-size; Mooncake traces: 512, Qwen-Bailian traces: 16)")
+    return best
+
+
+def _hash_block_sample(path: Path, count: int) -> list[tuple[int, int]]:
+    """``(input_length, len(hash_ids))`` of the first ``count`` well-formed lines (the full read
+    reports the malformed ones)."""
+    sample: list[tuple[int, int]] = []
+    with _open_lines(path) as lines:  # type: ignore[attr-defined]
+        for line in lines:
+            if len(sample) >= count:
+                break
+            try:
+                obj = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict) and isinstance(obj.get("hash_ids"), list) and \
+                    type(obj.get("input_length")) is int and obj["input_length"] > 0 and \
+                    all(type(hash_id) is int for hash_id in obj["hash_ids"]):
+                sample.append((obj["input_length"], len(obj["hash_ids"])))
+    return sample
+
+
+def load_trace(path: str | Path, *, hash_block_size: int | None = None,
+               timestamp_unit: str | None = None, time_scale: float = 1.0,
+               limit: int | None = None) -> Trace:
     """Read a JSONL / JSONL.gz trace, in this project's format or the hash-block format (see the
-    module docstring); raises :class:`TraceError` on the first bad line."""
-    if isinstance(hash_block_size, bool) or not isinstance(hash_block_size, int) or \
-            hash_block_size < 1:
+    module docstring); raises :class:`TraceError` on the first bad line.  ``hash_block_size``
+    and ``timestamp_unit`` (hash-block traces only) are read from the trace when not given."""
+    if hash_block_size is not None and (isinstance(hash_block_size, bool) or
+                                        not isinstance(hash_block_size, int) or
+                                        hash_block_size < 1):
         raise ValueError(f"hash_block_size must be an integer >= 1, got {hash_block_size!r}")
+    if timestamp_unit is not None and timestamp_unit not in TIMESTAMP_UNITS:
+        raise ValueError(f"timestamp_unit must be one of {', '.join(TIMESTAMP_UNITS)}, got "
+                         f"{timestamp_unit!r}")
     if not isinstance(time_scale, (int, float)) or not math.isfinite(time_scale) or time_scale <= 0:
         raise ValueError(f"time_scale must be a number > 0, got {time_scale!r}")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
@@ -584,7 +654,15 @@ def load_trace(path: str | Path, *, hash_block_size: int = DEFAULT_HASH_BLOCK_SI
                 except json.JSONDecodeError as exc:
                     raise TraceError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
                 if not requests and isinstance(obj, dict) and "hash_ids" in obj:
-                    hash_blocks = HashBlockReader(hash_block_size)
+                    if hash_block_size is None:
+                        sample = _hash_block_sample(path, min(limit or UNIT_SAMPLE_LINES,
+                                                              UNIT_SAMPLE_LINES))
+                        try:
+                            hash_block_size = infer_hash_block_size(sample)
+                        except ValueError as exc:
+                            raise TraceError(f"{path}: {exc}") from None
+                    unit_of_time = timestamp_unit or ("s" if BAILIAN_KEY in obj else "ms")
+                    hash_blocks = HashBlockReader(hash_block_size, unit_of_time)
                 try:
                     if hash_blocks is not None:
                         request = hash_blocks.request(obj, number)
@@ -602,7 +680,8 @@ def load_trace(path: str | Path, *, hash_block_size: int = DEFAULT_HASH_BLOCK_SI
         raise TraceError(f"{path}: the trace has no requests")
     params: dict[str, Any] = {"format": "hash-block" if hash_blocks else "tokens"}
     if hash_blocks:
-        params["hash_block_size"] = hash_block_size
+        params["hash_block_size"] = hash_blocks.unit
+        params["timestamp_unit"] = hash_blocks.timestamp_unit
     if time_scale != 1.0:
         params["time_scale"] = time_scale
     if limit is not None:
