@@ -129,3 +129,52 @@ def test_a_scheduler_subclass_that_replaced_vllms_gets_the_junction_wiring_and_l
     assert balance._get_local_prefix_cache_hit is hit_search
     assert vars(vllm_scheduler)["_mamba_block_aligned_split"] is split
     assert "_mamba_block_aligned_split" not in vars(balance)
+
+
+def test_a_junction_that_must_pay_waits_for_enough_sharers():
+    from vllm_hybrid_backends.junctions import pays_for_state
+
+    seen = SeenPrefixes(64)
+    system = list(range(12))
+    asked: list[tuple[int, int]] = []
+
+    def pays(position: int, sharers: int) -> bool:
+        asked.append((position, sharers))
+        return pays_for_state(position, sharers, 30)
+
+    made = []
+    for i in range(5):
+        prompt = system + [1000 * (i + 1) + t for t in range(20)]
+        made.append(junction(seen, _chain(prompt, 4), len(prompt), 4, pays))
+    # 12 tokens deep: 12 x 3 earlier sharers >= 30 first for the fourth prompt
+    assert made == [0, 0, 0, 12, 12]
+    assert asked == [(12, 1), (12, 2), (12, 3), (12, 4)]  # asked only where prompts fork
+    # an extension is never asked: it is not a fork
+    turn = system + [4000 + t for t in range(20)] + [9] * 8
+    assert junction(seen, _chain(turn, 4), len(turn), 4, pays) == 0 and len(asked) == 4
+    assert pays_for_state(100, 0, 1) is False and pays_for_state(100, 1, 100) is True
+
+
+@pytest.mark.parametrize(("boundary", "fork_at", "junction_at", "expected"), [
+    (20, 0, 0, 16),    # vLLM's junction, no fork (a turn whose end state was evicted): floored
+    (20, 12, 12, 16),  # a fork elsewhere: vLLM's own junction still floored
+    (20, 20, 0, 20),   # vLLM's junction is the fork (the plugin's state did not pay): exact
+    (32, 0, 0, 32),    # on the block grid: vLLM's own, as it is
+    (0, 0, 0, 0),      # no junction at all
+])
+def test_vllms_own_sub_block_junction_is_kept_exactly_only_at_a_fork(monkeypatch, boundary,
+                                                                      fork_at, junction_at,
+                                                                      expected):
+    from types import SimpleNamespace
+
+    from vllm_hybrid_backends import align
+    from vllm_hybrid_backends.patches import patch_vllm_v1_core_sched_scheduler as patch
+
+    scheduler = SimpleNamespace(block_size=16, hash_block_size=4, _hybrid_seen_prefixes=(
+        align.active_policy(), SeenPrefixes(8)))
+    request = SimpleNamespace(_hybrid_junction=junction_at, _hybrid_fork=fork_at)
+    # vLLM's lookup: 8 tokens hit in every group, the attention hit runs on to ``boundary``
+    monkeypatch.setitem(patch._ORIGINALS, "_get_local_prefix_cache_hit",
+                        lambda self, req: ("blocks", 8, boundary, False))
+    assert patch._get_local_prefix_cache_hit(scheduler, request) == \
+        ("blocks", 8, expected, False)

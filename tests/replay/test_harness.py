@@ -736,12 +736,13 @@ def test_mamba2_sub_block_hit_without_decode_states(monkeypatch):
     test_mamba2_checkpoint_chunk_starting_mid_block(*_SUB_BLOCK, "plugin")
 
 
-def _shared_system_prompt_trace(prefix_len: int = 12, own_len: int = 40) -> Trace:
-    """Three prompts that share only a ``prefix_len``-token system prompt, shorter than a
-    block, each arriving after the previous one finished."""
+def _shared_system_prompt_trace(prefix_len: int = 12, own_len: int = 40,
+                                prompts: int = 4) -> Trace:
+    """``prompts`` prompts that share only a ``prefix_len``-token system prompt, shorter than
+    a block, each arriving after the previous one finished."""
     system = list(range(500, 500 + prefix_len))
     requests = []
-    for i in range(3):
+    for i in range(prompts):
         own = [1000 * (i + 1) + t for t in range(own_len)]
         requests.append(TraceRequest(f"r{i}", system + own, [7] * 2, arrival_s=0.1,
                                      after=f"r{i - 1}" if i else None))
@@ -750,23 +751,26 @@ def _shared_system_prompt_trace(prefix_len: int = 12, own_len: int = 40) -> Trac
 
 @pytest.mark.skipif(not vllm_has_prefix_match_unit(), reason=(
     "sub-block hits need vLLM's prefix_match_unit (0.32+)"))
-@pytest.mark.parametrize("shape", [tiny_shape(), tiny_shape(("mamba", "attention"),
-                                                            kind="MAMBA2")],
-                         ids=["gdn", "mamba2"])
-def test_a_system_prompt_inside_a_block_is_hit_from_the_third_request(monkeypatch, shape):
+@pytest.mark.parametrize(("shape", "maker"), [
+    # two GDN groups: a state holds 32 tokens of prefix; 12 tokens x 3 sharers reach it
+    (tiny_shape(), 3),
+    # one Mamba2 group: 16 tokens, from the second sharer
+    (tiny_shape(("mamba", "attention"), kind="MAMBA2"), 2)], ids=["gdn", "mamba2"])
+def test_a_system_prompt_inside_a_block_is_hit_once_its_state_pays(monkeypatch, shape, maker):
     from vllm_hybrid_backends import align
 
     config = _tiny(shape=shape, block_size=16, prefix_match_unit=4, max_num_batched_tokens=64)
-    trace = _shared_system_prompt_trace()
+    trace = _shared_system_prompt_trace(prompts=5)
     runs = {policy: run_replay(trace, config, get_policy(policy))
             for policy in ("upstream", "plugin")}
     monkeypatch.setenv(align.SUBBLOCK_JUNCTIONS_ENV, "0")
     runs["plugin, junctions off"] = run_replay(trace, config, get_policy("plugin"))
-    hits = {name: [run.requests[f"r{i}"].hit_tokens for i in range(3)]
+    hits = {name: [run.requests[f"r{i}"].hit_tokens for i in range(5)]
             for name, run in runs.items()}
-    # r1 learns where it leaves r0 (12 tokens) and keeps both groups' state there; r2 hits it
-    assert hits == {"upstream": [0, 0, 0], "plugin": [0, 0, 12],
-                    "plugin, junctions off": [0, 0, 0]}
+    # r1 learns where it leaves r0 (12 tokens); the request that finds enough earlier sharers
+    # keeps both groups' state there, and every later one hits it
+    assert hits == {"upstream": [0] * 5, "plugin": [0] * (maker + 1) + [12] * (4 - maker),
+                    "plugin, junctions off": [0] * 5}
     for run in runs.values():
         assert run.mismatches == [] and run.blocks_leaked == 0
 
@@ -779,12 +783,12 @@ def test_no_junction_state_where_the_pool_has_no_room(monkeypatch):
     # 1,024 tokens of 16-token blocks: fewer free blocks than a prompt's 4 + 64 spare
     config = _tiny(block_size=16, prefix_match_unit=4, max_num_batched_tokens=64,
                    cache_tokens=1024)
-    trace = _shared_system_prompt_trace()
+    trace = _shared_system_prompt_trace(prompts=5)
     tight = run_replay(trace, config, get_policy("plugin"))
     monkeypatch.setattr(scheduler_patch, "JUNCTION_SPARE_BLOCKS", 0)
     spare_ignored = run_replay(trace, config, get_policy("plugin"))
-    assert [tight.requests[f"r{i}"].hit_tokens for i in range(3)] == [0, 0, 0]
-    assert [spare_ignored.requests[f"r{i}"].hit_tokens for i in range(3)] == [0, 0, 12]
+    assert [tight.requests[f"r{i}"].hit_tokens for i in range(5)] == [0] * 5
+    assert [spare_ignored.requests[f"r{i}"].hit_tokens for i in range(5)] == [0] * 4 + [12]
     assert tight.mismatches == [] and spare_ignored.mismatches == []
 
 
@@ -794,8 +798,10 @@ def test_a_junction_in_the_block_of_the_prompts_end_keeps_its_attention_key():
     # 4 shared tokens + 8 own in 16-token blocks: vLLM keys the prompt's last unit (8) on the
     # junction's block and drops its shorter keys; the junction's key must come back
     config = _tiny(block_size=16, prefix_match_unit=4, max_num_batched_tokens=64)
-    result = run_replay(_shared_system_prompt_trace(4, 8), config, get_policy("plugin"))
-    assert [result.requests[f"r{i}"].hit_tokens for i in range(3)] == [0, 0, 4]
+    result = run_replay(_shared_system_prompt_trace(4, 8, prompts=10), config,
+                        get_policy("plugin"))
+    # 4 tokens against a 32-token state: kept by the eighth sharer (r8), hit by r9
+    assert [result.requests[f"r{i}"].hit_tokens for i in range(10)] == [0] * 9 + [4]
     assert result.mismatches == [] and result.blocks_leaked == 0
 
 
