@@ -131,28 +131,28 @@ def test_a_scheduler_subclass_that_replaced_vllms_gets_the_junction_wiring_and_l
     assert "_mamba_block_aligned_split" not in vars(balance)
 
 
-def test_a_junction_that_must_pay_waits_for_enough_sharers():
-    from vllm_hybrid_backends.junctions import pays_for_state
+def test_branches_count_the_ways_prompts_went_on_not_the_turns_that_extend_one():
+    from vllm_hybrid_backends.junctions import fork
 
-    seen = SeenPrefixes(64)
+    seen = SeenPrefixes(256)
     system = list(range(12))
-    asked: list[tuple[int, int]] = []
 
-    def pays(position: int, sharers: int) -> bool:
-        asked.append((position, sharers))
-        return pays_for_state(position, sharers, 30)
+    def opens(session: int, turns: int) -> list[tuple[int, int]]:
+        prompt, found = list(system), []
+        for turn in range(turns):  # each turn extends the previous one
+            prompt = prompt + [10000 * (session + 1) + 100 * turn + t for t in range(20)]
+            found.append(fork(seen, _chain(prompt, 4), len(prompt), 4))
+        return found
 
-    made = []
-    for i in range(5):
-        prompt = system + [1000 * (i + 1) + t for t in range(20)]
-        made.append(junction(seen, _chain(prompt, 4), len(prompt), 4, pays))
-    # 12 tokens deep: 12 x 3 earlier sharers >= 30 first for the fourth prompt
-    assert made == [0, 0, 0, 12, 12]
-    assert asked == [(12, 1), (12, 2), (12, 3), (12, 4)]  # asked only where prompts fork
-    # an extension is never asked: it is not a fork
-    turn = system + [4000 + t for t in range(20)] + [9] * 8
-    assert junction(seen, _chain(turn, 4), len(turn), 4, pays) == 0 and len(asked) == 4
-    assert pays_for_state(100, 0, 1) is False and pays_for_state(100, 1, 100) is True
+    # the first conversation forks from nothing; its turns only extend it
+    assert opens(0, 5) == [(0, 0)] * 5
+    # each later one forks at the system prompt: past it, 1, then 2 ways went on
+    assert opens(1, 5) == [(12, 1)] + [(0, 0)] * 4
+    assert opens(2, 1) == [(12, 2)]
+    assert opens(3, 1) == [(12, 3)]
+    # a retry of a turn forks where that turn's own tokens begin, one way on so far
+    retry = system + [10000 + t for t in range(20)] + [7] * 20
+    assert fork(seen, _chain(retry, 4), len(retry), 4) == (32, 1)
 
 
 @pytest.mark.parametrize(("boundary", "fork_at", "junction_at", "expected"), [

@@ -19,14 +19,16 @@ is not (it extends the new one), and costs a state and a chunk stop per request 
 style conversations at ``--prefix-match-unit 16``, nemotron-h-8b 262,144: 0.34 against
 vLLM's 0.42 with every extension kept, 0.42 forks only).
 
-Where its state would push cached prefixes out, a junction must also pay for it: it saves its
-depth once per later request that shares the prefix, and the state's blocks would hold as many
-prompt tokens of prefix as :func:`pays_for_state` is given. It is made only once its depth
-times the prompts already seen sharing it reaches that (the prefix's fan-out so far as the
-guess of its reuse): a 64-token system prompt under nemotron-h-8b's six-block state (6,240 tokens) never
-is, a 512-token one under qwen3.5-0.8b's (1,632 tokens) from its fourth sharer on, a 4,000-token
-RAG passage at once. (Production-style conversations with 16-token hash units at unit 16,
-nemotron-h-8b 262,144: 0.26 with every fork kept against vLLM's 0.31.)
+A junction must also pay for its state: it saves its depth once per later request that shares
+the prefix, and the state's blocks would hold as many prompt tokens of prefix as
+:func:`pays_for_state` is given. It is made only once its depth times the ways remembered
+prompts went on past it reaches that (the prefix's fan-out so far as the guess of its reuse; a
+conversation's later turns, which extend its own earlier turn, do not add to it): a 64-token
+system prompt under nemotron-h-8b's six-block state (6,240 tokens) once 98 conversations
+opened with it, a 512-token one under qwen3.5-0.8b's (1,632 tokens) once 4 did, a 4,000-token
+prefix at its first fork there and its second under nemotron-h-8b.
+(Production-style conversations with 16-token hash units at unit 16, nemotron-h-8b 262,144:
+0.26 with every fork kept against vLLM's 0.31.)
 
 Pure Python over the chained hashes vLLM already computed; no vLLM import.
 """
@@ -34,7 +36,7 @@ Pure Python over the chained hashes vLLM already computed; no vLLM import.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 #: The fewest prefixes kept, whatever the pool's size.
@@ -50,7 +52,7 @@ class SeenPrefixes:
     :meth:`longest` relies on it). Each key also says whether a prompt recorded with it went on
     past that prefix (:meth:`continued`; it stays set while the key is remembered, even once
     that prompt's longer prefixes are forgotten) and how many prompts were recorded with it
-    (:meth:`sharers`). Keys are Python's ``hash`` of vLLM's block hashes: a collision can only
+    (:meth:`branches`). Keys are Python's ``hash`` of vLLM's block hashes: a collision can only
     suggest a junction, never a hit (vLLM looks the real hash up).
     """
 
@@ -60,7 +62,8 @@ class SeenPrefixes:
         if capacity < 1:
             raise ValueError(f"SeenPrefixes capacity={capacity!r}: allowed values are integers >= 1")
         self.capacity = capacity
-        #: key -> prompts recorded with it * 2 + whether one went on past it
+        #: key -> prompts that left the remembered ones right after it * 2 + whether one
+        #: went on past it
         self._seen: OrderedDict[int, int] = OrderedDict()
 
     def __len__(self) -> int:
@@ -83,48 +86,57 @@ class SeenPrefixes:
         :meth:`longest`, at least 1)."""
         return bool(self._seen.get(hash(unit_hashes[count - 1]), 0) & 1)
 
-    def sharers(self, unit_hashes: Sequence[Any], count: int) -> int:
-        """How many remembered prompts had the first ``count`` units of ``unit_hashes``."""
-        return self._seen.get(hash(unit_hashes[count - 1]), 0) >> 1
+    def branches(self, unit_hashes: Sequence[Any], count: int) -> int:
+        """How many ways remembered prompts went on past the first ``count`` units of
+        ``unit_hashes`` (0 if none did): the first one that went on, and each that left the
+        remembered ones right there. A conversation's later turns, which extend their own
+        earlier turn, add nothing to the prefixes they share with other conversations."""
+        value = self._seen.get(hash(unit_hashes[count - 1]), 0)
+        return (value >> 1) + 1 if value & 1 else 0
 
     def record(self, unit_hashes: Sequence[Any], count: int) -> None:
-        """Remember the first ``count`` unit prefixes of a prompt, forgetting the oldest."""
+        """Remember the first ``count`` unit prefixes of a prompt, forgetting the oldest: the
+        prefix it leaves the remembered ones after gains a branch."""
         seen = self._seen
         last = min(count, len(unit_hashes)) - 1
+        known = self.longest(unit_hashes, last + 1)  # remembered prefixes close downwards
+        # the longest remembered prefix, if this prompt goes on past it where another did
+        parent = hash(unit_hashes[known - 1]) if 0 < known <= last else None
+        branch = parent is not None and seen[parent] & 1
         for index in range(last, -1, -1):
             key = hash(unit_hashes[index])
-            seen[key] = seen.get(key, 0) + 2 | (index < last)
+            seen[key] = seen.get(key, 0) | (index < last)
             seen.move_to_end(key)
+        if branch and parent is not None:
+            seen[parent] += 2
         while len(seen) > self.capacity:
             seen.popitem(last=False)
 
 
 def fork(seen: SeenPrefixes, unit_hashes: Sequence[Any], num_prompt_tokens: int,
          unit: int) -> tuple[int, int]:
-    """Where this prompt forks from a remembered one, and how many remembered prompts shared
-    the prefix up to there ((0, 0): none), then remember its prefixes. The fork is the end of
-    the longest remembered prefix it shares, if a remembered prompt went on past it. A hit
-    stops one token short of the prompt, so the fork does: a prompt that ends inside a
-    remembered one gets its own last unit boundary (kept by vLLM too, as its replay boundary;
-    ending a chunk there still made more hits on production/nemotron-h-8b 262,144 at unit 16,
-    0.4191 against 0.4174 without)."""
+    """Where this prompt forks from the remembered ones and how many ways they went on past
+    that prefix (:meth:`SeenPrefixes.branches`) ((0, 0): no fork), then remember its prefixes.
+    The fork is the end of the longest remembered prefix it shares, if a remembered prompt went
+    on past it. A hit stops one token short of the prompt, so the fork does: a prompt that ends
+    inside a remembered one gets its own last unit boundary (kept by vLLM too, as its replay
+    boundary; ending a chunk there still made more hits on production/nemotron-h-8b 262,144 at
+    unit 16, 0.4191 against 0.4174 without)."""
     limit = (num_prompt_tokens - 1) // unit
     found = seen.longest(unit_hashes, limit)
-    sharers = seen.sharers(unit_hashes, found) if found and seen.continued(unit_hashes,
-                                                                           found) else 0
+    branches = seen.branches(unit_hashes, found) if found else 0
     seen.record(unit_hashes, limit)
-    return (found * unit, sharers) if sharers else (0, 0)
+    return (found * unit, branches) if branches else (0, 0)
 
 
 def junction(seen: SeenPrefixes, unit_hashes: Sequence[Any], num_prompt_tokens: int,
-             unit: int, pays: Callable[[int, int], bool] | None = None) -> int:
-    """The :func:`fork` position (0: none) where ``pays(position, sharers)`` says a state is
-    worth keeping there (always without ``pays``; e.g. :func:`pays_for_state`)."""
-    position, sharers = fork(seen, unit_hashes, num_prompt_tokens, unit)
-    return position if position and (pays is None or pays(position, sharers)) else 0
+             unit: int) -> int:
+    """The :func:`fork` position (0: none)."""
+    return fork(seen, unit_hashes, num_prompt_tokens, unit)[0]
 
 
-def pays_for_state(position: int, sharers: int, state_tokens: int) -> bool:
-    """Whether a junction state at ``position`` that ``sharers`` earlier prompts shared has
-    saved, had it been kept, as many prompt tokens as its blocks hold (``state_tokens``)."""
-    return position * sharers >= state_tokens
+def pays_for_state(position: int, branches: int, state_tokens: int) -> bool:
+    """Whether a junction state at ``position``, past which remembered prompts went on in
+    ``branches`` ways, has saved, had it been kept, as many prompt tokens as its blocks hold
+    (``state_tokens``): each branch after the first would have hit it."""
+    return position * branches >= state_tokens

@@ -184,6 +184,17 @@ def test_replay_reads_a_hash_block_trace(tmp_path, capsys):
     assert plugin["bound_hit_rate"] > 0
 
 
+@pytest.mark.slow
+def test_the_table_says_how_a_hash_block_trace_was_read(tmp_path, capsys):
+    path = _conversation_trace(tmp_path)  # 256-token units, ms, 700 ms apart
+    status = main(["replay", "--trace", str(path), "--limit", "4", "--time-scale", "2",
+                   "--policy", "upstream"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert status == 0
+    assert first.endswith("(hash-block trace: 256 tokens per hash id, timestamps in ms x 2, "
+                          "arrivals over 4 s)"), first
+
+
 def test_prefix_match_unit_on_an_older_vllm_names_the_version(monkeypatch, capsys):
     from vllm_hybrid_backends.replay import engine_config
 

@@ -400,7 +400,7 @@ def test_a_trace_whose_ids_fit_no_unit_asks_for_it(tmp_path):
     lines = [{"timestamp": k, "input_length": 100 * k + 37, "output_length": 1,
               "hash_ids": list(range(k + 1))} for k in range(1, 40)]
     with pytest.raises(TraceError, match=r"x\.jsonl: cannot tell how many tokens a hash id "
-                       r"stands for: 128 tokens fit 1 of the 39 lines.*--hash-block-size"):
+                       r"stands for: 64 tokens fit 2 of the 39 lines.*--hash-block-size"):
         load_trace(_mooncake(tmp_path, lines, "x.jsonl"))
     assert load_trace(_mooncake(tmp_path, lines, "y.jsonl"), hash_block_size=64).params[
         "hash_block_size"] == 64
@@ -408,5 +408,13 @@ def test_a_trace_whose_ids_fit_no_unit_asks_for_it(tmp_path):
     assert infer_hash_block_size([(300, 1), (9000, 1)]) == 512
     assert infer_hash_block_size([(300, 1), (40, 3), (33, 3)]) == 16
     assert infer_hash_block_size([(1024, 2)] * 9 + [(5000, 2)]) == 512  # 9 of 10 fit
+    # full units only (no id for a partial last unit): floor on every line
+    assert infer_hash_block_size([(40, 2), (47, 2), (100, 6), (33, 2)]) == 16
+    # one line that fits no unit among the first five does not refuse a --limit 5 replay
+    fine = [{"timestamp": k, "input_length": 16 * (k + 1) + 3, "output_length": 1,
+             "hash_ids": list(range(100 * k, 100 * k + k + 2))} for k in range(40)]
+    fine[1] = {**fine[1], "hash_ids": fine[1]["hash_ids"] * 3}
+    assert load_trace(_mooncake(tmp_path, fine, "z.jsonl"), limit=5).params[
+        "hash_block_size"] == 16
     with pytest.raises(ValueError, match="512 tokens fit 8 of the 10 lines"):
         infer_hash_block_size([(1024, 2)] * 8 + [(5000, 2)] * 2)

@@ -48,12 +48,15 @@
   when the hash unit is below the block, wrapped to add it), so the next request that shares
   the prefix hits it in both groups. A junction is made only while
   :data:`JUNCTION_SPARE_BLOCKS` blocks beyond the prompt's are free (under pressure its state
-  and two extra chunks cost preemptions), only once its depth times the prompts seen sharing
-  it reaches the state's blocks in prompt tokens (:func:`_junction_pays`: a 64-token system
-  prompt is not worth six blocks of nemotron-h-8b state), and not with EAGLE (vLLM's own junction there). vLLM's own junction (the attention
-  hit's end, past the Mamba hit: with the switch on it would be kept exactly, in every
-  conversation turn whose end state was evicted) is floored to its block, as vLLM does
-  without the switch, unless it is the plugin's. Without ``prefix_match_unit`` nothing changes.
+  and two extra chunks cost preemptions), only once its depth times the ways remembered
+  prompts went on past it reaches the state's blocks in prompt tokens (:func:`_junction_pays`:
+  a 64-token system prompt is not worth six blocks of nemotron-h-8b state until 98
+  conversations opened with it), and not with EAGLE (vLLM's own junction there). vLLM's own
+  sub-block junction (the attention hit's end, past the Mamba hit: with the switch on it would
+  be kept exactly, e.g. in every conversation turn whose end state was evicted) is floored to
+  its block, as vLLM does without the switch, unless it is where the prompt forks (then it is
+  kept exactly even where the plugin's state there did not pay or had no room: measured
+  better, branching/qwen3.5-0.8b 65,536 at unit 16 0.3227 against 0.3015 floored). Without ``prefix_match_unit`` nothing changes.
 - Resume states (``VLLM_HYBRID_RESUME_STATES``, issue 15 item 4): ``_preempt_request`` keeps
   a prefill's Mamba state at the last block boundary it computed before vLLM frees its blocks
   (:func:`patch_vllm_v1_core_kv_cache_coordinator.keep_resume_state`), so the request resumes
@@ -202,16 +205,16 @@ def _get_local_prefix_cache_hit(self: Any, request: Any, *args: Any, **kwargs: A
         return found
     known = request.__dict__.get("_hybrid_junction")
     if known is None:  # once per request: a waiting request is looked up every step
-        at, sharers = junctions.fork(seen, request.block_hashes, request.num_prompt_tokens,
-                                     self.hash_block_size)
+        at, branches = junctions.fork(seen, request.block_hashes, request.num_prompt_tokens,
+                                      self.hash_block_size)
         request._hybrid_fork = at
-        known = at if at and _junction_pays(self, at, sharers) and _roomy_for_junction(
+        known = at if at and _junction_pays(self, at, branches) and _roomy_for_junction(
             self, request) else 0
         request._hybrid_junction = known
     blocks, num_local, boundary, *rest = found
     if known > num_local and known > boundary:
         return (blocks, num_local, known, *rest)
-    if boundary % self.block_size and boundary != request._hybrid_fork:
+    if boundary % self.block_size and boundary != request.__dict__.get("_hybrid_fork", 0):
         # vLLM's own junction (where the attention hit outruns the Mamba one; with the switch
         # on, kept exactly) is no fork here, e.g. a conversation turn whose end state was
         # evicted: it gets what vLLM gives it without the switch, the block below
@@ -219,14 +222,15 @@ def _get_local_prefix_cache_hit(self: Any, request: Any, *args: Any, **kwargs: A
     return found
 
 
-def _junction_pays(scheduler: Any, position: int, sharers: int) -> bool:
-    """Whether a junction state is worth its blocks: once its depth times the prompts seen
-    sharing it reaches the state's blocks in prompt tokens (:func:`junctions.pays_for_state`).
+def _junction_pays(scheduler: Any, position: int, branches: int) -> bool:
+    """Whether a junction state is worth its blocks: once its depth times the ways remembered
+    prompts went on past it reaches the state's blocks in prompt tokens
+    (:func:`junctions.pays_for_state`).
     Not waived while the pool has room (production-style conversations with 16-token units
     at unit 16, nemotron-h-8b 262,144: waived until lookups lost a quarter of their hits,
     0.277 against 0.3085; the 24 system-prompt junctions made early then stay hot under LRU,
     and evicting such states once the pool ran short did not recover it: 0.274)."""
-    return junctions.pays_for_state(position, sharers,
+    return junctions.pays_for_state(position, branches,
                                     scheduler.__dict__.get("_hybrid_state_tokens", 0))
 
 
@@ -273,13 +277,12 @@ def _enable_junctions(scheduler: Any) -> junctions.SeenPrefixes | None:
 
 
 def _state_tokens(coordinator: Any, mamba: list[Any]) -> int:
-    """A Mamba state's blocks (every Mamba group) as prompt tokens of attention prefix: what a
-    junction state must save before it is made (:func:`junctions.junction`)."""
+    """A Mamba state's blocks (the Mamba groups of the first one's block size: all of them in
+    the models vLLM builds) as prompt tokens of attention prefix, the bar of
+    :func:`_junction_pays`; a model without attention groups: the state's own tokens."""
     state_blocks, attention_blocks = coordinator_patch._blocks_per_boundary(
         coordinator, coordinator_patch.state_of(coordinator))
-    if not attention_blocks:
-        return 0
-    return math.ceil(state_blocks * mamba[0].block_size / attention_blocks)
+    return math.ceil(state_blocks * mamba[0].block_size / (attention_blocks or 1))
 
 
 def _cache_partial_tail_block(self: Any, request: Any, num_tokens: int) -> Any:

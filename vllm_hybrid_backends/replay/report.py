@@ -189,8 +189,10 @@ def render_table(report: Report) -> str:
     read_as = ""
     if trace.params.get("format") == "hash-block":
         span = max((r.arrival_s for r in trace.requests), default=0.0)
+        scale = trace.params.get("time_scale", 1.0)
         read_as = (f" (hash-block trace: {trace.params['hash_block_size']} tokens per hash id, "
-                   f"timestamps in {trace.params['timestamp_unit']}, arrivals over {span:,.0f} s)")
+                   f"timestamps in {trace.params['timestamp_unit']}"
+                   f"{f' x {scale:g}' if scale != 1.0 else ''}, arrivals over {span:,.0f} s)")
     lines = [
         f"workload {trace.name}: {len(trace.requests)} requests, "
         f"{trace.num_prompt_tokens:,} prompt tokens{read_as}",

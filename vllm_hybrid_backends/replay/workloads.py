@@ -30,8 +30,9 @@ which ``vllm bench serve --dataset-name timed_trace`` reads) are recognised by t
   tokens; ``output_length``: output tokens (0 is read as 1: a server always generates one);
   ``hash_ids``: one id per shared unit of ``hash_block_size`` tokens (Mooncake 512, Bailian 16).
   By default the unit is read from the trace: the power of two ``u`` with
-  ``len(hash_ids) == ceil(input_length / u)`` on the lines with more than one id
-  (:func:`infer_hash_block_size`). Other keys are ignored.
+  ``len(hash_ids) == ceil(input_length / u)`` (or ``floor``) on the lines with more than one
+  id among its first :data:`UNIT_SAMPLE_LINES` (:func:`infer_hash_block_size`). Other keys are
+  ignored.
 - The same hash id gives the same tokens in any process (seeded from the id, never Python's
   ``hash``); a partial last unit is the first tokens of its id's unit. Prompt tokens beyond the
   units the hash ids cover are unique to the line; hash ids beyond ``input_length`` are dropped.
@@ -574,30 +575,35 @@ class HashBlockReader:
 
 def infer_hash_block_size(lengths: Iterable[tuple[int, int]]) -> int:
     """The tokens per hash id of a hash-block trace, from its lines' ``(input_length,
-    len(hash_ids))``: the power of two ``u`` with ``len(hash_ids) == ceil(input_length / u)`` on
-    most lines with more than one id (a one-id line fits every ``u >= input_length``).
-    :data:`DEFAULT_HASH_BLOCK_SIZE` when no line has two ids; ``ValueError`` when no power of two
-    fits :data:`UNIT_MIN_FIT` of them (ids that cover less than the prompt, or another unit)."""
-    votes: dict[int, int] = {}
+    len(hash_ids))``: the power of two ``u`` with ``len(hash_ids) == ceil(input_length / u)``
+    (a hashed partial last unit, as Mooncake and vLLM's ``timed_trace``) or, on every line
+    alike, ``floor`` (full units only), on most lines with more than one id (a one-id line fits
+    every large ``u``). :data:`DEFAULT_HASH_BLOCK_SIZE` when no line has two ids;
+    ``ValueError`` when no power of two fits :data:`UNIT_MIN_FIT` of them (ids that cover less
+    than the prompt, or another unit)."""
+    votes: dict[tuple[int, str], int] = {}
     informative = 0
     for length, ids in lengths:
         if ids < 2:
             continue
         informative += 1
         for unit in HASH_UNIT_CANDIDATES:
-            if unit * (ids - 1) < length <= unit * ids:
-                votes[unit] = votes.get(unit, 0) + 1
+            if -(-length // unit) == ids:
+                votes[unit, "ceil"] = votes.get((unit, "ceil"), 0) + 1
+            if length // unit == ids:
+                votes[unit, "floor"] = votes.get((unit, "floor"), 0) + 1
     if not informative:
         return DEFAULT_HASH_BLOCK_SIZE
-    best = max(votes, key=votes.__getitem__, default=0)
+    best = max(votes, key=votes.__getitem__, default=(0, ""))
     fits = votes.get(best, 0)
-    if not best or fits < UNIT_MIN_FIT * informative:
-        found = f"{best} tokens fit {fits}" if best else "no power of two fits any"
+    if not best[0] or fits < UNIT_MIN_FIT * informative:
+        found = f"{best[0]} tokens fit {fits}" if best[0] else "no power of two fits any"
         raise ValueError(
             f"cannot tell how many tokens a hash id stands for: {found} of the {informative} "
-            "lines with more than one id (len(hash_ids) == ceil(input_length / unit)); give "
-            "the unit (--hash-block-size; Mooncake traces: 512, Qwen-Bailian traces: 16)")
-    return best
+            "lines with more than one id (len(hash_ids) == ceil or floor of input_length / "
+            "unit); give the unit (--hash-block-size; Mooncake traces: 512, Qwen-Bailian "
+            "traces: 16)")
+    return best[0]
 
 
 def _hash_block_sample(path: Path, count: int) -> list[tuple[int, int]]:
@@ -655,8 +661,7 @@ def load_trace(path: str | Path, *, hash_block_size: int | None = None,
                     raise TraceError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
                 if not requests and isinstance(obj, dict) and "hash_ids" in obj:
                     if hash_block_size is None:
-                        sample = _hash_block_sample(path, min(limit or UNIT_SAMPLE_LINES,
-                                                              UNIT_SAMPLE_LINES))
+                        sample = _hash_block_sample(path, UNIT_SAMPLE_LINES)
                         try:
                             hash_block_size = infer_hash_block_size(sample)
                         except ValueError as exc:
