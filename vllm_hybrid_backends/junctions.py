@@ -50,8 +50,8 @@ class SeenPrefixes:
     prefix; :meth:`record` inserts a prompt's longest prefix first, so its shortest ones are
     the newest and every prefix of a remembered one is remembered too (the search in
     :meth:`longest` relies on it). Each key also says whether a prompt recorded with it went on
-    past that prefix (:meth:`continued`; it stays set while the key is remembered, even once
-    that prompt's longer prefixes are forgotten) and how many prompts were recorded with it
+    past that prefix (it stays set while the key is remembered, even once
+    that prompt's longer prefixes are forgotten) and how many ways prompts went on past it
     (:meth:`branches`). Keys are Python's ``hash`` of vLLM's block hashes: a collision can only
     suggest a junction, never a hit (vLLM looks the real hash up).
     """
@@ -81,16 +81,13 @@ class SeenPrefixes:
                 high = mid - 1
         return low
 
-    def continued(self, unit_hashes: Sequence[Any], count: int) -> bool:
-        """Whether a remembered prompt went on past its first ``count`` units (``count`` from
-        :meth:`longest`, at least 1)."""
-        return bool(self._seen.get(hash(unit_hashes[count - 1]), 0) & 1)
-
     def branches(self, unit_hashes: Sequence[Any], count: int) -> int:
         """How many ways remembered prompts went on past the first ``count`` units of
         ``unit_hashes`` (0 if none did): the first one that went on, and each that left the
         remembered ones right there. A conversation's later turns, which extend their own
-        earlier turn, add nothing to the prefixes they share with other conversations."""
+        earlier turn, add nothing to the prefixes they share with other conversations (while
+        that turn is remembered: once its longer prefixes are forgotten, the next turn leaves
+        the remembered ones where they end)."""
         value = self._seen.get(hash(unit_hashes[count - 1]), 0)
         return (value >> 1) + 1 if value & 1 else 0
 

@@ -3,7 +3,7 @@
 Six prompts share a system prompt shorter than the Mamba block, and nothing else; they run one
 after another with ``prefix_match_unit=16``. vLLM alone keeps no state there, so none hits.
 With the plugin the second prompt learns the junction, and the first prompt that finds enough
-earlier sharers to pay for a state there (system prompt x sharers >= the state's blocks in
+branches to pay for a state there (system prompt x branches >= the state's blocks in
 prompt tokens: 112 x 4 >= 3 x 128 on qwen35, 240 x 4 >= 3 x 256 on granite_hybrid, three Mamba
 groups each) keeps both groups' state; the next hits it. Its greedy tokens and logits equal a
 run without caching: the state vLLM's junction checkpoint copied out is the forward's over the

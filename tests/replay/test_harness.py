@@ -752,9 +752,9 @@ def _shared_system_prompt_trace(prefix_len: int = 12, own_len: int = 40,
 @pytest.mark.skipif(not vllm_has_prefix_match_unit(), reason=(
     "sub-block hits need vLLM's prefix_match_unit (0.32+)"))
 @pytest.mark.parametrize(("shape", "maker"), [
-    # two GDN groups: a state holds 32 tokens of prefix; 12 tokens x 3 sharers reach it
+    # two GDN groups: a state holds 32 tokens of prefix; 12 tokens x 3 branches reach it
     (tiny_shape(), 3),
-    # one Mamba2 group: 16 tokens, from the second sharer
+    # one Mamba2 group: 16 tokens, from the second branch
     (tiny_shape(("mamba", "attention"), kind="MAMBA2"), 2)], ids=["gdn", "mamba2"])
 def test_a_system_prompt_inside_a_block_is_hit_once_its_state_pays(monkeypatch, shape, maker):
     from vllm_hybrid_backends import align
@@ -767,7 +767,7 @@ def test_a_system_prompt_inside_a_block_is_hit_once_its_state_pays(monkeypatch, 
     runs["plugin, junctions off"] = run_replay(trace, config, get_policy("plugin"))
     hits = {name: [run.requests[f"r{i}"].hit_tokens for i in range(5)]
             for name, run in runs.items()}
-    # r1 learns where it leaves r0 (12 tokens); the request that finds enough earlier sharers
+    # r1 learns where it leaves r0 (12 tokens); the request that finds enough branches
     # keeps both groups' state there, and every later one hits it
     assert hits == {"upstream": [0] * 5, "plugin": [0] * (maker + 1) + [12] * (4 - maker),
                     "plugin, junctions off": [0] * 5}
@@ -800,7 +800,7 @@ def test_a_junction_in_the_block_of_the_prompts_end_keeps_its_attention_key():
     config = _tiny(block_size=16, prefix_match_unit=4, max_num_batched_tokens=64)
     result = run_replay(_shared_system_prompt_trace(4, 8, prompts=10), config,
                         get_policy("plugin"))
-    # 4 tokens against a 32-token state: kept by the eighth sharer (r8), hit by r9
+    # 4 tokens against a 32-token state: kept once 8 prompts went on past it (by r8), hit by r9
     assert [result.requests[f"r{i}"].hit_tokens for i in range(10)] == [0] * 9 + [4]
     assert result.mismatches == [] and result.blocks_leaked == 0
 

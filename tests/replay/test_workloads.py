@@ -408,6 +408,8 @@ def test_a_trace_whose_ids_fit_no_unit_asks_for_it(tmp_path):
     assert infer_hash_block_size([(300, 1), (9000, 1)]) == 512
     assert infer_hash_block_size([(300, 1), (40, 3), (33, 3)]) == 16
     assert infer_hash_block_size([(1024, 2)] * 9 + [(5000, 2)]) == 512  # 9 of 10 fit
+    # a tie between conventions goes to ceil (600 tokens, 2 ids: ceil 512 or floor 256)
+    assert infer_hash_block_size([(600, 2), (700, 2), (513, 2)]) == 512
     # full units only (no id for a partial last unit): floor on every line
     assert infer_hash_block_size([(40, 2), (47, 2), (100, 6), (33, 2)]) == 16
     # one line that fits no unit among the first five does not refuse a --limit 5 replay

@@ -227,7 +227,8 @@ def _junction_pays(scheduler: Any, position: int, branches: int) -> bool:
     prompts went on past it reaches the state's blocks in prompt tokens
     (:func:`junctions.pays_for_state`).
     Not waived while the pool has room (production-style conversations with 16-token units
-    at unit 16, nemotron-h-8b 262,144: waived until lookups lost a quarter of their hits,
+    at unit 16, nemotron-h-8b 262,144, with a first count of every prompt through the prefix:
+    waived until lookups lost a quarter of their hits,
     0.277 against 0.3085; the 24 system-prompt junctions made early then stay hot under LRU,
     and evicting such states once the pool ran short did not recover it: 0.274)."""
     return junctions.pays_for_state(position, branches,

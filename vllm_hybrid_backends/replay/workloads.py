@@ -594,7 +594,7 @@ def infer_hash_block_size(lengths: Iterable[tuple[int, int]]) -> int:
                 votes[unit, "floor"] = votes.get((unit, "floor"), 0) + 1
     if not informative:
         return DEFAULT_HASH_BLOCK_SIZE
-    best = max(votes, key=votes.__getitem__, default=(0, ""))
+    best = max(votes, key=lambda vote: (votes[vote], vote[1] == "ceil"), default=(0, ""))
     fits = votes.get(best, 0)
     if not best[0] or fits < UNIT_MIN_FIT * informative:
         found = f"{best[0]} tokens fit {fits}" if best[0] else "no power of two fits any"
