@@ -56,7 +56,8 @@
   be kept exactly, e.g. in every conversation turn whose end state was evicted) is floored to
   its block, as vLLM does without the switch, unless it is where the prompt forks (then it is
   kept exactly even where the plugin's state there did not pay or had no room: measured
-  better, branching/qwen3.5-0.8b 65,536 at unit 16 0.3227 against 0.3015 floored). Without ``prefix_match_unit`` nothing changes.
+  better with the first count of the rule, branching/qwen3.5-0.8b 65,536 at unit 16 0.3227
+  against 0.3015 floored). Without ``prefix_match_unit`` nothing changes.
 - Resume states (``VLLM_HYBRID_RESUME_STATES``, issue 15 item 4): ``_preempt_request`` keeps
   a prefill's Mamba state at the last block boundary it computed before vLLM frees its blocks
   (:func:`patch_vllm_v1_core_kv_cache_coordinator.keep_resume_state`), so the request resumes
