@@ -7,7 +7,13 @@ import random
 
 import pytest
 
-from vllm_hybrid_backends.junctions import SeenPrefixes, junction
+from vllm_hybrid_backends.junctions import SeenPrefixes, fork
+
+
+def junction(seen: SeenPrefixes, unit_hashes: list[bytes], num_prompt_tokens: int,
+             unit: int) -> int:
+    """The fork position alone (0: none)."""
+    return fork(seen, unit_hashes, num_prompt_tokens, unit)[0]
 
 
 def _chain(tokens: list[int], unit: int) -> list[bytes]:
@@ -132,8 +138,6 @@ def test_a_scheduler_subclass_that_replaced_vllms_gets_the_junction_wiring_and_l
 
 
 def test_branches_count_the_ways_prompts_went_on_not_the_turns_that_extend_one():
-    from vllm_hybrid_backends.junctions import fork
-
     seen = SeenPrefixes(256)
     system = list(range(12))
 

@@ -9,7 +9,7 @@ where another group's hit already reaches it, which a junction inside the first 
 does.
 
 :class:`SeenPrefixes` remembers the unit hashes of recent prompts, so the second request to
-share a prefix learns where it leaves the first one (``junction``); the scheduler then ends a
+share a prefix learns where it leaves the first one (:func:`fork`); the scheduler then ends a
 chunk there and both groups cache it, and every later request that shares the prefix hits it.
 Only a fork counts: where the new prompt leaves an earlier one that went on past that point.
 Where the earlier prompts all *ended* (a conversation's next turn extending the last one, a
@@ -91,21 +91,24 @@ class SeenPrefixes:
         value = self._seen.get(hash(unit_hashes[count - 1]), 0)
         return (value >> 1) + 1 if value & 1 else 0
 
-    def record(self, unit_hashes: Sequence[Any], count: int) -> None:
+    def record(self, unit_hashes: Sequence[Any], count: int, known: int | None = None) -> None:
         """Remember the first ``count`` unit prefixes of a prompt, forgetting the oldest: the
-        prefix it leaves the remembered ones after gains a branch."""
+        prefix it leaves the remembered ones after gains a branch. ``known``: what
+        :meth:`longest` gives for ``count`` (found again when not given)."""
         seen = self._seen
         last = min(count, len(unit_hashes)) - 1
-        known = self.longest(unit_hashes, last + 1)  # remembered prefixes close downwards
+        if known is None:
+            known = self.longest(unit_hashes, last + 1)  # remembered prefixes close downwards
         # the longest remembered prefix, if this prompt goes on past it where another did
-        parent = hash(unit_hashes[known - 1]) if 0 < known <= last else None
-        branch = parent is not None and seen[parent] & 1
+        branch = hash(unit_hashes[known - 1]) if 0 < known <= last else None
+        if branch is not None and not seen[branch] & 1:
+            branch = None
         for index in range(last, -1, -1):
             key = hash(unit_hashes[index])
             seen[key] = seen.get(key, 0) | (index < last)
             seen.move_to_end(key)
-        if branch and parent is not None:
-            seen[parent] += 2
+        if branch is not None:
+            seen[branch] += 2
         while len(seen) > self.capacity:
             seen.popitem(last=False)
 
@@ -122,14 +125,8 @@ def fork(seen: SeenPrefixes, unit_hashes: Sequence[Any], num_prompt_tokens: int,
     limit = (num_prompt_tokens - 1) // unit
     found = seen.longest(unit_hashes, limit)
     branches = seen.branches(unit_hashes, found) if found else 0
-    seen.record(unit_hashes, limit)
+    seen.record(unit_hashes, limit, found)
     return (found * unit, branches) if branches else (0, 0)
-
-
-def junction(seen: SeenPrefixes, unit_hashes: Sequence[Any], num_prompt_tokens: int,
-             unit: int) -> int:
-    """The :func:`fork` position (0: none)."""
-    return fork(seen, unit_hashes, num_prompt_tokens, unit)[0]
 
 
 def pays_for_state(position: int, branches: int, state_tokens: int) -> bool:

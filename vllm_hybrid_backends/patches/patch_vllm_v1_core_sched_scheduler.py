@@ -37,7 +37,7 @@
 - Sub-block junctions (vLLM 0.32, 0.33, with ``prefix_match_unit`` below the block size and
   ``VLLM_HYBRID_SUBBLOCK_JUNCTIONS``): ``Scheduler._get_local_prefix_cache_hit`` is wrapped to
   set ``request.shared_prefix_boundary`` to where the prompt forks from the recent prompts
-  (:func:`vllm_hybrid_backends.junctions.junction`, once per request: a shared prefix that one
+  (:func:`vllm_hybrid_backends.junctions.fork`, once per request: a shared prefix that one
   of them went on past; not where they all ended, as for a resend or a conversation's next
   turn, whose end state vLLM keeps) when that lies past the hit; vLLM's own shared-prefix
   checkpoint (``enable_mamba_shared_prefix_checkpoint``, which vLLM turns on only with EAGLE)
