@@ -13,8 +13,7 @@ for spec in vllm==0.23.0 vllm==0.26.0 vllm-ascend==0.23.0 vllm-ascend==0.26.0rc1
   [ "$name" = vllm ] && dest="$ROOT/src/vllm-$version"
   [ -d "$dest" ] && continue
   mkdir -p "$ROOT/wheels"
-  "$PY" -m pip download -q --no-cache-dir --no-deps -d "$ROOT/wheels" "$spec"
-  wheel=$(ls "$ROOT"/wheels/"${name//-/_}"-"$version"*.whl | head -1)
+  wheel=$("$PY" scripts/fetch_wheel.py "$spec" "$ROOT/wheels" | tail -1)  # resumes a dropped transfer
   rm -rf "$dest.new"
   "$PY" scripts/unpack_sources.py "$wheel" "$dest.new"
   mv "$dest.new" "$dest"

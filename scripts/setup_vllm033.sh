@@ -33,12 +33,11 @@ rm -f "$STAMP"
 wheels="$(mktemp -d "$DEST/.download-XXXXXX")"
 trap 'rm -rf "$wheels" "$SITE.new"' EXIT
 
-log "downloading vllm==$VERSION (wheel only, --no-deps)"
-if ! "$PY" -m pip download --quiet --no-cache-dir --no-deps --dest "$wheels" "vllm==$VERSION"; then
-    echo "setup_vllm033: 'pip download --no-deps vllm==$VERSION' failed" >&2
+log "downloading vllm==$VERSION (the wheel only; resumes a dropped transfer)"
+if ! wheel="$("$PY" "$ROOT/scripts/fetch_wheel.py" "vllm==$VERSION" "$wheels" | tail -1)"; then
+    echo "setup_vllm033: could not download vllm==$VERSION (fetch_wheel's reason above)" >&2
     exit 1
 fi
-wheel="$(ls "$wheels"/vllm-*.whl)"
 log "got $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
 
 log "unpacking its Python modules into $SITE"
