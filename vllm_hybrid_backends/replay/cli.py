@@ -48,8 +48,12 @@ def add_parser(commands: Any) -> None:
                         help="multiply the trace's arrival times by X (2 = half the rate)")
     parser.add_argument("--limit", type=int, metavar="N",
                         help="replay only the trace's first N requests")
-    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3.5-0.8b",
-                        help="model shape (layer kinds, state and KV sizes from public configs)")
+    parser.add_argument("--model-shape", metavar="NAME|PATH", default="qwen3.5-0.8b",
+                        help="a built-in model shape (" + ", ".join(sorted(MODEL_SHAPES)) + "; "
+                             "layer kinds, state and KV sizes from public configs), or the "
+                             "config.json (or directory) of a hybrid model: vLLM derives its "
+                             "layers and state shapes from it, nothing is loaded (default: "
+                             "qwen3.5-0.8b)")
     parser.add_argument("--block-size", type=int, metavar="N",
                         help="attention block size; vLLM raises it if a page cannot hold a "
                              "Mamba state (default: vLLM's derivation with CUDA kernel blocks)")
@@ -91,6 +95,20 @@ def _reexec_with_vllm_path(argv: list[str]) -> int | None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p)
     return subprocess.call([sys.executable, "-m", "vllm_hybrid_backends.cli", "replay", *argv],
                            env=env)
+
+
+def _model_shape(value: str) -> Any:
+    """A built-in shape by name, or one vLLM derives from a model's config.json."""
+    from .shapes import MODEL_SHAPES
+
+    if value in MODEL_SHAPES:
+        return MODEL_SHAPES[value]
+    if not os.path.exists(value):
+        raise ValueError(f"{value!r} is neither a built-in shape ({', '.join(sorted(MODEL_SHAPES))})"
+                         f" nor a model directory or config.json")
+    from .engine_config import shape_from_model_config
+
+    return shape_from_model_config(value)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -161,7 +179,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               f"this vLLM is {installed_vllm_version()}", file=sys.stderr)
         return 2
     policies = ["upstream", "plugin"] if args.policy == "both" else [args.policy]
-    config = ReplayConfig(model_shape=args.model_shape, block_size=args.block_size,
+    try:
+        shape = _model_shape(args.model_shape)
+    except ValueError as exc:
+        print(f"error: --model-shape: {exc}", file=sys.stderr)
+        return 2
+    config = ReplayConfig(model_shape=shape.name, shape=shape, block_size=args.block_size,
                           cache_tokens=args.cache_tokens, prefix_match_unit=unit,
                           kv_offloading_size=tier)
     sweep = args.prefix_match_unit == "best"

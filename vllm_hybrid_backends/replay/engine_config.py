@@ -20,17 +20,18 @@ from pathlib import Path
 from typing import Any
 
 from ..compat import has_mamba2_prefill_checkpoint
-from .shapes import ModelShape
+from .shapes import ModelShape, StateLayout
 
-__all__ = ["EngineSetup", "KVLayout", "ReplayVersionError", "build_engine_setup",
-           "vllm_config_for", "vllm_has_prefix_match_unit"]
+__all__ = ["EngineSetup", "KVLayout", "ReplayVersionError", "STATE_KIND_OF_ARCHITECTURE",
+           "build_engine_setup", "shape_from_model_config", "vllm_config_for",
+           "vllm_has_prefix_match_unit"]
 
 
 class ReplayVersionError(RuntimeError):
     """The installed vLLM lacks a function the harness needs."""
 
 
-_CONFIG_DIRS: dict[str, Path] = {}
+_CONFIG_DIRS: dict[tuple[str, str], Path] = {}
 _VLLM_CONFIGS: dict[tuple, Any] = {}
 
 
@@ -129,12 +130,19 @@ def _no_cpu_feature() -> bool:
 
 def _model_dir(shape: ModelShape) -> Path:
     """A directory holding just the shape's config.json (made once per process)."""
-    path = _CONFIG_DIRS.get(shape.name)
+    path = _CONFIG_DIRS.get((shape.name, shape.source))
     if path is None:
-        path = Path(tempfile.mkdtemp(prefix=f"hb-replay-{shape.name}-"))
+        path = Path(tempfile.mkdtemp(prefix="hb-replay-"))
         (path / "config.json").write_text(json.dumps(shape.hf_config, indent=1))
-        _CONFIG_DIRS[shape.name] = path
+        _CONFIG_DIRS[(shape.name, shape.source)] = path
     return path
+
+
+def _max_model_len(hf_config: dict[str, Any]) -> int:
+    text = hf_config.get("text_config")
+    found = hf_config.get("max_position_embeddings") or (
+        text.get("max_position_embeddings") if isinstance(text, dict) else None)
+    return int(found or 32768)
 
 
 def vllm_config_for(shape: ModelShape, *, num_spec_tokens: int = 0) -> Any:
@@ -142,17 +150,23 @@ def vllm_config_for(shape: ModelShape, *, num_spec_tokens: int = 0) -> Any:
 
     The scheduler settings the harness varies are assigned by :func:`build_engine_setup`.
     """
-    key = (shape.name, num_spec_tokens)
+    key = (shape.name, shape.source, num_spec_tokens)
     if key in _VLLM_CONFIGS:
         return _VLLM_CONFIGS[key]
+    config = _engine_config(_model_dir(shape), shape.hf_config, shape.dtype, num_spec_tokens)
+    _VLLM_CONFIGS[key] = config
+    return config
+
+
+def _engine_config(model_dir: Path, hf_config: dict[str, Any], dtype: str,
+                   num_spec_tokens: int = 0) -> Any:
     _select_cpu_platform_of_a_source_tree()
     from vllm.engine.arg_utils import EngineArgs
 
     kwargs: dict[str, Any] = dict(
-        model=str(_model_dir(shape)), skip_tokenizer_init=True, enable_prefix_caching=True,
-        enable_chunked_prefill=True, max_model_len=int(shape.hf_config.get(
-            "max_position_embeddings", 32768)), load_format="dummy", enforce_eager=True,
-        async_scheduling=False, dtype=shape.dtype,
+        model=str(model_dir), skip_tokenizer_init=True, enable_prefix_caching=True,
+        enable_chunked_prefill=True, max_model_len=_max_model_len(hf_config),
+        load_format="dummy", enforce_eager=True, async_scheduling=False, dtype=dtype,
     )
     if num_spec_tokens:
         kwargs["speculative_config"] = {
@@ -163,9 +177,109 @@ def vllm_config_for(shape: ModelShape, *, num_spec_tokens: int = 0) -> Any:
         # vLLM 0.26 serves Qwen3.5 through its multimodal class; the harness is text-only
         kwargs["language_model_only"] = True
     with _no_general_plugins(), _host_independent_platform():
-        config = EngineArgs(**kwargs).create_engine_config()
-    _VLLM_CONFIGS[key] = config
-    return config
+        return EngineArgs(**kwargs).create_engine_config()
+
+
+#: The Mamba-style layer of each hybrid architecture the replay derives from a config.json
+#: (vLLM's ``MambaAttentionBackendEnum`` names).
+STATE_KIND_OF_ARCHITECTURE = {
+    "Qwen3NextForCausalLM": "GDN_ATTN", "Qwen3_5ForCausalLM": "GDN_ATTN",
+    "Qwen3_5MoeForCausalLM": "GDN_ATTN", "Qwen3_5ForConditionalGeneration": "GDN_ATTN",
+    "Qwen3_5MoeForConditionalGeneration": "GDN_ATTN",
+    "NemotronHForCausalLM": "MAMBA2", "GraniteMoeHybridForCausalLM": "MAMBA2",
+    "Lfm2ForCausalLM": "SHORT_CONV", "Lfm2MoeForCausalLM": "SHORT_CONV",
+    "JambaForCausalLM": "MAMBA1",
+}
+#: ``layer_types`` / ``layers_block_type`` entries of a layer with a Mamba-style state.
+_STATE_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "short_conv"})
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "attention"})
+
+
+def _layer_kinds(text_config: Any, num_layers: int, where: str) -> tuple[str, ...]:
+    """Per layer "attention", "mamba" or "mlp", from the fields hybrid configs use."""
+    listed = getattr(text_config, "layers_block_type", None) or getattr(
+        text_config, "layer_types", None)
+    pattern = getattr(text_config, "hybrid_override_pattern", None)
+    interval = getattr(text_config, "full_attention_interval", None)
+    if listed:
+        unknown = sorted({str(t) for t in listed} - _STATE_LAYER_TYPES - _ATTENTION_LAYER_TYPES
+                         - {"mlp", "moe"})
+        if unknown:
+            raise ValueError(f"{where}: layer types {unknown} are not supported (allowed: "
+                             f"{', '.join(sorted(_STATE_LAYER_TYPES | _ATTENTION_LAYER_TYPES))}"
+                             f", mlp, moe)")
+        kinds = tuple("attention" if t in _ATTENTION_LAYER_TYPES else
+                      "mamba" if t in _STATE_LAYER_TYPES else "mlp" for t in listed)
+    elif isinstance(pattern, str) and pattern:
+        kinds = tuple({"M": "mamba", "*": "attention"}.get(c, "mlp") for c in pattern)
+    elif isinstance(interval, int) and interval > 0:
+        kinds = tuple("attention" if (i + 1) % interval == 0 else "mamba"
+                      for i in range(num_layers))
+    else:
+        raise ValueError(f"{where}: no layer_types, layers_block_type, hybrid_override_pattern "
+                         f"or full_attention_interval: cannot tell attention from Mamba layers")
+    if len(kinds) != num_layers:
+        raise ValueError(f"{where}: {len(kinds)} layer types for {num_layers} layers")
+    if "attention" not in kinds or "mamba" not in kinds:
+        raise ValueError(f"{where}: {kinds.count('attention')} attention and "
+                         f"{kinds.count('mamba')} Mamba-style layers; a hybrid model has both")
+    return kinds
+
+
+def shape_from_model_config(path: str | Path) -> ModelShape:
+    """The :class:`ModelShape` of the hybrid model whose Hugging Face ``config.json`` is at
+    ``path`` (the file or its directory): vLLM builds the model's config from it (its config
+    hooks included) and the model class gives the state shapes and dtypes, as on the CUDA
+    rule for every host (:func:`_host_independent_platform`). Nothing is downloaded or
+    loaded. Raises ``ValueError`` naming the file and what is wrong."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{path}: no such config.json (a model directory or its config.json)")
+    try:
+        hf_config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file}: not a readable JSON config ({exc})") from None
+    architectures = hf_config.get("architectures") if isinstance(hf_config, dict) else None
+    if not isinstance(architectures, list) or not architectures:
+        raise ValueError(f"{file}: no 'architectures' list")
+    architecture = str(architectures[0])
+    kind = STATE_KIND_OF_ARCHITECTURE.get(architecture)
+    if kind is None:
+        raise ValueError(f"{file}: architecture {architecture!r} is not a hybrid model the "
+                         f"replay knows; allowed: {', '.join(sorted(STATE_KIND_OF_ARCHITECTURE))}")
+    from vllm.model_executor.models import ModelRegistry
+
+    staged = Path(tempfile.mkdtemp(prefix="hb-replay-config-"))
+    (staged / "config.json").write_text(json.dumps(hf_config))
+    try:
+        config = _engine_config(staged, hf_config, "auto")
+    except Exception as exc:  # vLLM's own validation: its message names the field
+        raise ValueError(f"{file}: vLLM cannot build this model's config: {exc}") from None
+    model_config = config.model_config
+    model_cls: Any
+    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture,
+                                                   model_config=model_config)
+    if not hasattr(model_cls, "get_mamba_state_shape_from_config"):
+        raise ValueError(f"{file}: this vLLM serves {architecture} through "
+                         f"{model_cls.__name__}, which has no Mamba-style state")
+    shapes = tuple(tuple(int(d) for d in dims)
+                   for dims in model_cls.get_mamba_state_shape_from_config(config))
+    dtypes = tuple(str(d).removeprefix("torch.")
+                   for d in model_cls.get_mamba_state_dtype_from_config(config))
+    if len(shapes) != (1 if kind == "SHORT_CONV" else 2) or len(dtypes) != len(shapes):
+        expected = "a conv state" if kind == "SHORT_CONV" else "a conv and an SSM state"
+        raise ValueError(f"{file}: {architecture} reports state shapes {shapes} ({dtypes}); "
+                         f"the replay expects {expected}")
+    kinds = _layer_kinds(model_config.hf_text_config, model_config.get_total_num_hidden_layers(),
+                         str(file))
+    state = StateLayout(kind, shapes, dtypes, conv_kernel=shapes[0][0] + 1,
+                        prefill_checkpoint=kind == "MAMBA2")
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    return ModelShape(file.parent.name or file.stem, str(file.resolve()), architecture, kinds,
+                      int(model_config.get_num_kv_heads(config.parallel_config)),
+                      int(model_config.get_head_size()), dtype, state, hf_config)
 
 
 @dataclass(frozen=True)

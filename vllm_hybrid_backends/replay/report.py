@@ -43,6 +43,7 @@ class Report:
             "num_requests": len(self.trace.requests),
             "prompt_tokens": self.trace.num_prompt_tokens,
             "model_shape": shape.name,
+            "model_source": shape.source,
             "block_size": self.block_size,
             "cache_tokens": self.config.cache_tokens,
             "num_blocks": self.num_blocks,
