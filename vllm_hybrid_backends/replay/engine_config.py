@@ -173,6 +173,12 @@ def _engine_config(model_dir: Path, hf_config: dict[str, Any], dtype: str,
             "method": "ngram", "num_speculative_tokens": num_spec_tokens,
             "prompt_lookup_max": 4, "prompt_lookup_min": 2,
         }
+    if "mamba_cache_mode" in getattr(EngineArgs, "__dataclass_fields__", {}):
+        # The harness replays align mode (its MambaSpecs say so) and the scheduler reads the
+        # mode from this config: vLLM 0.32+ default to align, 0.23 defaults a model that
+        # supports Mamba prefix caching (NemotronH) to "all", whose scheduler never splits
+        # chunks on the block grid (0.23 model_executor/models/config.py, MambaModelConfig)
+        kwargs["mamba_cache_mode"] = "align"
     if "language_model_only" in getattr(EngineArgs, "__dataclass_fields__", {}):
         # vLLM 0.26 serves Qwen3.5 through its multimodal class; the harness is text-only
         kwargs["language_model_only"] = True
