@@ -11,7 +11,10 @@ read as a PEP 503 / 691 simple index.
 
 from __future__ import annotations
 
+import ast
+import base64
 import hashlib
+import http.client
 import json
 import os
 import shutil
@@ -28,7 +31,7 @@ from pathlib import Path
 try:
     from packaging.tags import sys_tags
     from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
-    from packaging.version import Version
+    from packaging.version import InvalidVersion, Version
 except ImportError:  # a bare interpreter: pip's vendored copy
     from pip._vendor.packaging.tags import sys_tags  # type: ignore
     from pip._vendor.packaging.utils import (  # type: ignore
@@ -36,11 +39,13 @@ except ImportError:  # a bare interpreter: pip's vendored copy
         canonicalize_name,
         parse_wheel_filename,
     )
-    from pip._vendor.packaging.version import Version  # type: ignore
+    from pip._vendor.packaging.version import InvalidVersion, Version  # type: ignore
 
 DEFAULT_INDEX = "https://pypi.org/simple/"
 UNPACK_HEADROOM = 256 * 2**20  # the unpacked Python beside the wheel (vLLM 0.33.0: 56 MB)
 CHUNK = 2**20
+#: What a dropped or garbled transfer raises (``IncompleteRead``, ``RemoteDisconnected``...).
+TRANSFER_ERRORS = (OSError, urllib.error.URLError, http.client.HTTPException)
 ACCEPT = ("application/vnd.pypi.simple.v1+json, "
           "application/vnd.pypi.simple.v1+html;q=0.2, text/html;q=0.1")
 
@@ -55,6 +60,9 @@ class Candidate:
     url: str
     sha256: str | None
     size: int | None
+
+    def _replace_url(self, url: str) -> Candidate:
+        return Candidate(self.filename, url, self.sha256, self.size)
 
 
 class _Anchors(HTMLParser):
@@ -127,8 +135,12 @@ def pip_settings(python: str) -> dict[str, str]:
     settings: dict[str, str] = {}
     for line in out.splitlines():
         key, sep, value = line.partition("=")
-        if sep:
-            settings[key.strip()] = value.strip().strip("'\"")
+        if sep:  # pip prints each value as a Python literal: 'a\nb' for a multi-line one
+            try:
+                parsed = ast.literal_eval(value.strip())
+            except (ValueError, SyntaxError):
+                parsed = value.strip().strip("'\"")
+            settings[key.strip()] = str(parsed)
     return settings
 
 
@@ -140,7 +152,30 @@ def index_sources(settings: dict[str, str]) -> tuple[list[str], list[str]]:
                 return settings[f"{scope}.{option}"]
         return None
     indexes = [setting("index-url") or DEFAULT_INDEX] + (setting("extra-index-url") or "").split()
+    if (setting("no-index") or "").lower() in ("1", "true", "yes", "on"):
+        indexes = []
     return indexes, (setting("find-links") or "").split()
+
+
+def redact(url: str) -> str:
+    """``url`` without its password or token, as pip prints it."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    user, _, host = parts.netloc.rpartition("@")
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user.split(':')[0]}:****@{host}"))
+
+
+def _request(url: str, headers: dict[str, str]) -> urllib.request.Request:
+    """A request for ``url``, its user:password (a private index's) sent as Basic auth."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" in parts.netloc:
+        userinfo, _, host = parts.netloc.rpartition("@")
+        user, _, password = userinfo.partition(":")
+        token = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+        headers = {**headers, "Authorization": "Basic " + base64.b64encode(token.encode()).decode()}
+        url = urllib.parse.urlunsplit(parts._replace(netloc=host))
+    return urllib.request.Request(url, headers=headers)
 
 
 def local_candidates(location: str) -> list[Candidate]:
@@ -158,10 +193,18 @@ def index_candidates(index: str, name: str, timeout: float) -> list[Candidate]:
             return []
         return parse_index_page(index_html.read_bytes(), "text/html", index_html.as_uri())
     page_url = index.rstrip("/") + "/" + canonicalize_name(name) + "/"
-    request = urllib.request.Request(page_url, headers={"Accept": ACCEPT})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return parse_index_page(response.read(), response.headers.get("Content-Type", ""),
-                                response.geturl())
+    with urllib.request.urlopen(_request(page_url, {"Accept": ACCEPT}),
+                                timeout=timeout) as response:
+        found = parse_index_page(response.read(), response.headers.get("Content-Type", ""),
+                                 response.geturl())
+    base = urllib.parse.urlsplit(page_url)
+    if "@" not in base.netloc:
+        return found
+    # files on the index's own host need its credentials too
+    host = base.netloc.rpartition("@")[2]
+    return [c if urllib.parse.urlsplit(c.url).netloc != host else c._replace_url(
+        urllib.parse.urlunsplit(urllib.parse.urlsplit(c.url)._replace(netloc=base.netloc)))
+        for c in found]
 
 
 def log(message: str) -> None:
@@ -188,15 +231,16 @@ def download(candidate: Candidate, directory: Path, attempts: int = 6, timeout: 
         if total is not None:
             check_space(directory, total - (partial.stat().st_size if partial.exists() else 0),
                         candidate.filename)
-        failures: list[str] = []
+        failures: list[str] = []  # attempts in a row that moved nothing
         while True:
             have = partial.stat().st_size if partial.exists() else 0
+            started = have
             if total is not None and have == total:
                 break
             headers = {"Range": f"bytes={have}-"} if have else {}
             try:
-                request = urllib.request.Request(candidate.url, headers=headers)
-                with urllib.request.urlopen(request, timeout=timeout) as response:
+                with urllib.request.urlopen(_request(candidate.url, headers),
+                                            timeout=timeout) as response:
                     resumed = response.status == 206
                     length = int(response.headers.get("Content-Length", "-1"))
                     if total is None and length >= 0:
@@ -214,12 +258,15 @@ def download(candidate: Candidate, directory: Path, attempts: int = 6, timeout: 
                     partial.unlink()
                     continue
                 if error.code not in (408, 429) and error.code < 500:
-                    raise FetchError(f"{candidate.url}: HTTP {error.code} {error.reason}") from None
+                    raise FetchError(f"{redact(candidate.url)}: HTTP {error.code} "
+                                     f"{error.reason}") from None
                 failures.append(f"HTTP {error.code}")
-            except (OSError, urllib.error.URLError) as error:
-                failures.append(str(getattr(error, "reason", error)))
+            except TRANSFER_ERRORS as error:
+                failures.append(f"{type(error).__name__}: {getattr(error, 'reason', error)}")
+            if partial.exists() and partial.stat().st_size > started:
+                failures = failures[-1:]  # this attempt moved the transfer on
             if len(failures) >= attempts:
-                raise FetchError(f"{candidate.filename}: {attempts} attempts failed "
+                raise FetchError(f"{candidate.filename}: {attempts} attempts in a row failed "
                                  f"(last: {failures[-1]}); rerun to resume from "
                                  f"{partial.stat().st_size if partial.exists() else 0:,} bytes")
             wait = min(backoff * 2 ** (len(failures) - 1), 30.0)
@@ -240,13 +287,14 @@ def download(candidate: Candidate, directory: Path, attempts: int = 6, timeout: 
 
 
 def pip_download(python: str, spec: str, directory: Path, attempts: int = 3) -> Path:
-    before = set(directory.glob("*.whl"))
+    name, _, version = spec.partition("==")
     for attempt in range(1, attempts + 1):
         done = subprocess.run([python, "-m", "pip", "download", "--quiet", "--no-deps",
                                "--only-binary=:all:", "--dest", str(directory), spec], check=False)
-        new = set(directory.glob("*.whl")) - before
-        if done.returncode == 0 and new:
-            return new.pop()
+        found = best_wheel([Candidate(p.name, p.as_uri(), None, None)
+                            for p in directory.glob("*.whl")], name, version)
+        if done.returncode == 0 and found is not None:  # pip skips a wheel already there
+            return directory / found.filename
         log(f"pip download {spec} failed (attempt {attempt} of {attempts})")
         time.sleep(5 * attempt)
     raise FetchError(f"pip download {spec} failed {attempts} times")
@@ -255,8 +303,12 @@ def pip_download(python: str, spec: str, directory: Path, attempts: int = 3) -> 
 def fetch(spec: str, directory: Path, python: str = sys.executable,
           settings: dict[str, str] | None = None) -> Path:
     name, sep, version = spec.partition("==")
+    try:
+        Version(version)
+    except InvalidVersion:
+        sep = ""
     if not sep or not name or not version:
-        raise FetchError(f"{spec!r} is not NAME==VERSION (e.g. vllm==0.33.0)")
+        raise FetchError(f"{spec!r} is not NAME==VERSION with an exact version (e.g. vllm==0.33.0)")
     directory.mkdir(parents=True, exist_ok=True)
     indexes, find_links = index_sources(pip_settings(python) if settings is None else settings)
     for location in find_links:
@@ -268,19 +320,20 @@ def fetch(spec: str, directory: Path, python: str = sys.executable,
     for index in indexes:
         try:
             candidates = index_candidates(index, name, timeout=60.0)
-        except (OSError, urllib.error.URLError, ValueError, KeyError) as error:
-            unreadable.append(f"{index} ({getattr(error, 'reason', error)})")
+        except (*TRANSFER_ERRORS, ValueError, KeyError) as error:
+            unreadable.append(f"{redact(index)} ({getattr(error, 'reason', error)})")
             continue
         wheel = best_wheel(candidates, name, version)
         if wheel is not None:
             size = f" ({wheel.size / 2**20:.0f} MiB)" if wheel.size else ""
-            log(f"{wheel.filename}{size} from {index}")
+            log(f"{wheel.filename}{size} from {redact(index)}")
             return download(wheel, directory)
     if unreadable:
         log("could not read " + "; ".join(unreadable) + "; trying pip download")
         return pip_download(python, spec, directory)
+    where = ", ".join(map(redact, indexes + find_links)) or "no index (pip's no-index)"
     raise FetchError(f"no wheel of {spec} for this interpreter ({next(iter(sys_tags()))}) "
-                     f"on {', '.join(indexes)}")
+                     f"on {where}")
 
 
 def main(argv: list[str]) -> int:

@@ -30,8 +30,9 @@ log() { echo "setup_vllm033 [$((SECONDS - start))s]: $*"; }
 
 mkdir -p "$DEST"
 rm -f "$STAMP"
-wheels="$(mktemp -d "$DEST/.download-XXXXXX")"
-trap 'rm -rf "$wheels" "$SITE.new"' EXIT
+wheels="$DEST/.download"  # kept when the download fails: a rerun resumes its .part file
+mkdir -p "$wheels"
+trap 'rm -rf "$SITE.new"' EXIT
 
 log "downloading vllm==$VERSION (the wheel only; resumes a dropped transfer)"
 if ! wheel="$("$PY" "$ROOT/scripts/fetch_wheel.py" "vllm==$VERSION" "$wheels" | tail -1)"; then
@@ -43,7 +44,7 @@ log "got $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
 log "unpacking its Python modules into $SITE"
 rm -rf "$SITE.new"
 "$PY" "$ROOT/scripts/unpack_sources.py" "$wheel" "$SITE.new"
-rm -rf "$wheels" "$SITE"
+rm -rf "$wheels" "$SITE" "$DEST"/.download-*  # (.download-* : earlier versions of this script)
 mv "$SITE.new" "$SITE"
 
 got="$(cd / && "$PY" - "$SITE" <<'PYEOF'

@@ -27,10 +27,14 @@ class Index:
     """A simple index serving one project's files, cutting the first `drops` transfers short."""
 
     def __init__(self, files: dict[str, bytes], drops: int = 0, cut_after: int = 0,
-                 html: bool = False, sha256: dict[str, str] | None = None):
-        self.files, self.drops, self.cut_after, self.html = files, drops, cut_after, html
+                 html: bool = False, sha256: dict[str, str] | None = None,
+                 cuts: list[int] | None = None, ignores_range: bool = False):
+        self.files, self.html, self.ignores_range = files, html, ignores_range
+        #: bytes each response sends before the connection drops, in order (then whole ones)
+        self.cuts = list(cuts) if cuts is not None else [cut_after] * drops
         self.sha256 = sha256 or {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
         self.ranges: list[str | None] = []
+        self.authorization: list[str | None] = []
         index = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -38,6 +42,7 @@ class Index:
                 pass
 
             def do_GET(self):
+                index.authorization.append(self.headers.get("Authorization"))
                 if self.path == "/simple/toy-pkg/":
                     return self.page()
                 name = self.path.removeprefix("/files/")
@@ -48,13 +53,17 @@ class Index:
                 requested = self.headers.get("Range")
                 index.ranges.append(requested)
                 start = int(requested.removeprefix("bytes=").rstrip("-")) if requested else 0
+                if index.ignores_range:
+                    start, requested = 0, None
+                if start >= len(data) and requested:
+                    self.send_error(416)
+                    return
                 self.send_response(206 if requested else 200)
                 self.send_header("Content-Length", str(len(data) - start))
                 self.end_headers()
                 body = data[start:]
-                if index.drops:
-                    index.drops -= 1
-                    body = body[:index.cut_after]
+                if index.cuts:
+                    body = body[:index.cuts.pop(0)]
                     self.close_connection = True
                 self.wfile.write(body)
 
@@ -78,8 +87,8 @@ class Index:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple/"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def settings(self) -> dict[str, str]:
-        return {"global.index-url": self.url}
+    def settings(self, userinfo: str = "") -> dict[str, str]:
+        return {"global.index-url": self.url.replace("//", f"//{userinfo}@" if userinfo else "//")}
 
 
 @pytest.fixture
@@ -112,15 +121,61 @@ def test_dropped_transfers_resume_where_they_stopped(serve, tmp_path, html):
     assert not list(tmp_path.glob("*.part"))
 
 
-def test_gives_up_after_the_attempts_and_a_rerun_resumes(serve, tmp_path):
-    data = os.urandom(5 * 2**20)
-    index = serve({WHEEL: data}, drops=4, cut_after=2**20)
-    candidate = fetch_wheel.best_wheel(fetch_wheel.index_candidates(index.url, "toy-pkg", 5.0),
-                                       "toy-pkg", "1.2.0")
-    with pytest.raises(fetch_wheel.FetchError, match=r"3 attempts failed .* resume from 3,145,728 bytes"):
-        fetch_wheel.download(candidate, tmp_path, attempts=3)
-    assert fetch_wheel.download(candidate, tmp_path).read_bytes() == data
-    assert index.ranges[-1] == f"bytes={4 * 2**20}-"
+def _candidate(index):
+    return fetch_wheel.best_wheel(fetch_wheel.index_candidates(index.url, "toy-pkg", 5.0),
+                                  "toy-pkg", "1.2.0")
+
+
+def test_attempts_that_move_the_transfer_on_do_not_use_up_the_retries(serve, tmp_path):
+    data = os.urandom(8 * 2**20)
+    index = serve({WHEEL: data}, drops=7, cut_after=2**20)
+    assert fetch_wheel.download(_candidate(index), tmp_path, attempts=3).read_bytes() == data
+    assert len(index.ranges) == 8
+
+
+def test_gives_up_after_the_attempts_without_progress_and_a_rerun_resumes(serve, tmp_path):
+    data = os.urandom(3 * 2**20)
+    index = serve({WHEEL: data}, cuts=[2**20, 0, 0, 0])
+    with pytest.raises(fetch_wheel.FetchError,
+                       match=r"3 attempts in a row failed .* resume from 1,048,576 bytes"):
+        fetch_wheel.download(_candidate(index), tmp_path, attempts=3)
+    assert fetch_wheel.download(_candidate(index), tmp_path).read_bytes() == data
+    assert index.ranges[-1] == f"bytes={2**20}-"
+
+
+def test_a_server_that_ignores_ranges_or_a_stale_part_starts_over(serve, tmp_path):
+    data = os.urandom(2 * 2**20)
+    index = serve({WHEEL: data}, cuts=[2**20], ignores_range=True)
+    assert fetch_wheel.download(_candidate(index), tmp_path).read_bytes() == data
+    (tmp_path / WHEEL).unlink()
+    (tmp_path / (WHEEL + ".part")).write_bytes(os.urandom(3 * 2**20))  # longer than the file
+    index = serve({WHEEL: data})
+    assert fetch_wheel.download(_candidate(index), tmp_path).read_bytes() == data
+    assert index.ranges == [f"bytes={3 * 2**20}-", None]
+
+
+def test_index_credentials_go_in_a_header_and_never_into_the_log(serve, tmp_path, capsys):
+    import base64
+
+    data = os.urandom(4096)
+    index = serve({WHEEL: data}, cuts=[100])
+    path = fetch_wheel.fetch("toy-pkg==1.2.0", tmp_path, settings=index.settings("ci:s3cret"))
+    assert path.read_bytes() == data
+    assert set(index.authorization) == {"Basic " + base64.b64encode(b"ci:s3cret").decode()}
+    err = capsys.readouterr().err
+    assert "ci:****@127.0.0.1" in err and "s3cret" not in err
+
+
+def test_pips_own_config_is_read_multi_line_values_included(tmp_path, monkeypatch):
+    config = tmp_path / "pip.conf"
+    config.write_text("[global]\nextra-index-url =\n    https://a.example/simple\n"
+                      "    https://b.example/simple\nfind-links = /srv/wheels\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(config))
+    for name in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_INDEX_URL", "PIP_NO_INDEX"):
+        monkeypatch.delenv(name, raising=False)  # the environment's settings come first
+    indexes, links = fetch_wheel.index_sources(fetch_wheel.pip_settings(sys.executable))
+    assert indexes[-2:] == ["https://a.example/simple", "https://b.example/simple"]
+    assert "/srv/wheels" in links
 
 
 def test_a_wrong_digest_is_refused_and_the_download_removed(serve, tmp_path):
@@ -153,8 +208,10 @@ def test_no_wheel_for_the_version_names_the_spec(serve, tmp_path):
     index = serve({WHEEL: b"x", "toy_pkg-1.3.0-py3-none-any.whl": b"y"})
     with pytest.raises(fetch_wheel.FetchError, match="no wheel of toy-pkg==1.2.1"):
         fetch_wheel.fetch("toy-pkg==1.2.1", tmp_path, settings=index.settings())
-    with pytest.raises(fetch_wheel.FetchError, match="'toy-pkg' is not NAME==VERSION"):
-        fetch_wheel.fetch("toy-pkg", tmp_path, settings=index.settings())
+    for spec in ("toy-pkg", "toy-pkg==1.*"):
+        with pytest.raises(fetch_wheel.FetchError, match=f"'{spec}' is not NAME==VERSION with an"
+                                                         " exact version".replace("*", r"\*")):
+            fetch_wheel.fetch(spec, tmp_path, settings=index.settings())
 
 
 def test_the_most_specific_supported_wheel_is_chosen():

@@ -122,3 +122,22 @@ def test_a_missing_or_unreadable_config_is_a_usage_error(tmp_path, capsys):
     empty.mkdir()
     assert main(["replay", "--model-shape", str(empty)]) == 2
     assert "no such config.json (a model directory or its config.json)" in capsys.readouterr().err
+
+
+def test_the_derivation_does_not_depend_on_the_host(tmp_path, monkeypatch):
+    """An AVX-512 BF16 / AMX host (vLLM-CPU then changes Mamba dtypes) with the DS conv layout
+    set, already looked up (vLLM caches it), derives what the built-in shape says."""
+    import torch
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    built_in = MODEL_SHAPES["nemotron-h-8b"]
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: True)
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    mamba_utils.get_conv_state_layout.cache_clear()
+    assert mamba_utils.get_conv_state_layout() == "DS"
+    try:
+        derived = shape_from_model_config(_write(tmp_path, built_in.hf_config))
+    finally:
+        mamba_utils.get_conv_state_layout.cache_clear()
+    assert _cache_geometry(derived) == _cache_geometry(built_in)

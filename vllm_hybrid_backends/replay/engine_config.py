@@ -10,6 +10,7 @@ sizing (``get_kv_cache_config_from_groups``), then the engine core's block-size 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import json
 import os
@@ -31,7 +32,7 @@ class ReplayVersionError(RuntimeError):
     """The installed vLLM lacks a function the harness needs."""
 
 
-_CONFIG_DIRS: dict[tuple[str, str], Path] = {}
+_CONFIG_DIRS: dict[tuple[str, str, str], Path] = {}
 _VLLM_CONFIGS: dict[tuple, Any] = {}
 
 
@@ -128,13 +129,20 @@ def _no_cpu_feature() -> bool:
     return False
 
 
+def _config_key(shape: ModelShape) -> tuple[str, str, str]:
+    """The shape's name, source and config content (a config.json edited in place differs)."""
+    digest = hashlib.sha256(json.dumps(shape.hf_config, sort_keys=True).encode()).hexdigest()
+    return shape.name, shape.source, digest
+
+
 def _model_dir(shape: ModelShape) -> Path:
     """A directory holding just the shape's config.json (made once per process)."""
-    path = _CONFIG_DIRS.get((shape.name, shape.source))
+    key = _config_key(shape)
+    path = _CONFIG_DIRS.get(key)
     if path is None:
         path = Path(tempfile.mkdtemp(prefix="hb-replay-"))
         (path / "config.json").write_text(json.dumps(shape.hf_config, indent=1))
-        _CONFIG_DIRS[(shape.name, shape.source)] = path
+        _CONFIG_DIRS[key] = path
     return path
 
 
@@ -150,7 +158,7 @@ def vllm_config_for(shape: ModelShape, *, num_spec_tokens: int = 0) -> Any:
 
     The scheduler settings the harness varies are assigned by :func:`build_engine_setup`.
     """
-    key = (shape.name, shape.source, num_spec_tokens)
+    key = (*_config_key(shape), shape.dtype, num_spec_tokens)
     if key in _VLLM_CONFIGS:
         return _VLLM_CONFIGS[key]
     config = _engine_config(_model_dir(shape), shape.hf_config, shape.dtype, num_spec_tokens)
@@ -199,6 +207,18 @@ STATE_KIND_OF_ARCHITECTURE = {
 #: ``layer_types`` / ``layers_block_type`` entries of a layer with a Mamba-style state.
 _STATE_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "short_conv"})
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "attention"})
+#: NemotronH's ``hybrid_override_pattern``: Mamba2, attention, MLP, MoE layers.
+_PATTERN_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "mlp"}
+
+
+def _cuda_dtype(hf_config: dict[str, Any]) -> str:
+    """The model dtype vLLM's ``dtype="auto"`` gives on CUDA: the config's half type, else
+    bfloat16 (float32 and unset are cast down); never the host's (a CPU may lack bfloat16)."""
+    text = hf_config.get("text_config")
+    declared = next((d for d in (hf_config.get("torch_dtype"), hf_config.get("dtype"),
+                                 *((text.get("torch_dtype"), text.get("dtype"))
+                                   if isinstance(text, dict) else ())) if d), None)
+    return "float16" if str(declared) in ("float16", "half") else "bfloat16"
 
 
 def _layer_kinds(text_config: Any, num_layers: int, where: str) -> tuple[str, ...]:
@@ -217,7 +237,11 @@ def _layer_kinds(text_config: Any, num_layers: int, where: str) -> tuple[str, ..
         kinds = tuple("attention" if t in _ATTENTION_LAYER_TYPES else
                       "mamba" if t in _STATE_LAYER_TYPES else "mlp" for t in listed)
     elif isinstance(pattern, str) and pattern:
-        kinds = tuple({"M": "mamba", "*": "attention"}.get(c, "mlp") for c in pattern)
+        unknown = sorted(set(pattern) - set(_PATTERN_KINDS))
+        if unknown:
+            raise ValueError(f"{where}: hybrid_override_pattern has {unknown}; allowed: "
+                             f"{', '.join(f'{c!r} ({k})' for c, k in _PATTERN_KINDS.items())}")
+        kinds = tuple(_PATTERN_KINDS[c] for c in pattern)
     elif isinstance(interval, int) and interval > 0:
         kinds = tuple("attention" if (i + 1) % interval == 0 else "mamba"
                       for i in range(num_layers))
@@ -257,23 +281,27 @@ def shape_from_model_config(path: str | Path) -> ModelShape:
                          f"replay knows; allowed: {', '.join(sorted(STATE_KIND_OF_ARCHITECTURE))}")
     from vllm.model_executor.models import ModelRegistry
 
-    staged = Path(tempfile.mkdtemp(prefix="hb-replay-config-"))
-    (staged / "config.json").write_text(json.dumps(hf_config))
-    try:
-        config = _engine_config(staged, hf_config, "auto")
-    except Exception as exc:  # vLLM's own validation: its message names the field
-        raise ValueError(f"{file}: vLLM cannot build this model's config: {exc}") from None
-    model_config = config.model_config
-    model_cls: Any
-    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture,
-                                                   model_config=model_config)
-    if not hasattr(model_cls, "get_mamba_state_shape_from_config"):
-        raise ValueError(f"{file}: this vLLM serves {architecture} through "
-                         f"{model_cls.__name__}, which has no Mamba-style state")
-    shapes = tuple(tuple(int(d) for d in dims)
-                   for dims in model_cls.get_mamba_state_shape_from_config(config))
-    dtypes = tuple(str(d).removeprefix("torch.")
-                   for d in model_cls.get_mamba_state_dtype_from_config(config))
+    dtype = _cuda_dtype(hf_config)
+    with tempfile.TemporaryDirectory(prefix="hb-replay-config-") as staged:
+        (Path(staged) / "config.json").write_text(json.dumps(hf_config))
+        try:
+            config = _engine_config(Path(staged), hf_config, dtype)
+            model_config = config.model_config
+            model_cls: Any
+            model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture,
+                                                           model_config=model_config)
+            if not hasattr(model_cls, "get_mamba_state_shape_from_config"):
+                raise ValueError(f"this vLLM serves {architecture} through "
+                                 f"{model_cls.__name__}, which has no Mamba-style state")
+            with _host_independent_platform():  # the conv layout and dtypes read the host
+                shapes = tuple(tuple(int(d) for d in dims)
+                               for dims in model_cls.get_mamba_state_shape_from_config(config))
+                dtypes = tuple(str(d).removeprefix("torch.")
+                               for d in model_cls.get_mamba_state_dtype_from_config(config))
+        except Exception as exc:  # vLLM's own validation: its message names the field
+            raise ValueError(f"{file}: vLLM cannot derive this model's cache: {exc}") from None
+    # vLLM's default conv layout, (kernel - 1, channels), whatever a cached lookup decided
+    shapes = (tuple(sorted(shapes[0])), *shapes[1:]) if shapes and len(shapes[0]) == 2 else shapes
     if len(shapes) != (1 if kind == "SHORT_CONV" else 2) or len(dtypes) != len(shapes):
         expected = "a conv state" if kind == "SHORT_CONV" else "a conv and an SSM state"
         raise ValueError(f"{file}: {architecture} reports state shapes {shapes} ({dtypes}); "
@@ -282,7 +310,6 @@ def shape_from_model_config(path: str | Path) -> ModelShape:
                          str(file))
     state = StateLayout(kind, shapes, dtypes, conv_kernel=shapes[0][0] + 1,
                         prefill_checkpoint=kind == "MAMBA2")
-    dtype = str(model_config.dtype).removeprefix("torch.")
     return ModelShape(file.parent.name or file.stem, str(file.resolve()), architecture, kinds,
                       int(model_config.get_num_kv_heads(config.parallel_config)),
                       int(model_config.get_head_size()), dtype, state, hf_config)
