@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                         help=f"comma-separated, of: {', '.join(sorted(WORKLOADS))}")
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                        help=f"comma-separated, of: {', '.join(sorted(MODEL_SHAPES))}")
+                        help=f"comma-separated, of: {', '.join(sorted(MODEL_SHAPES))}, or paths to "
+                             "hybrid models' config.json (replay --model-shape PATH)")
     parser.add_argument("--capacities", type=_int_list(1, "capacities are positive integers"),
                         default=list(DEFAULT_CAPACITIES), help="comma-separated token counts")
     parser.add_argument("--seeds", type=_int_list(0, "seeds are integers >= 0"), default=[0],
@@ -162,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w for w in args.workloads.split(",") if w]
     shapes = [s for s in args.shapes.split(",") if s]
     for name, known, what in ((workloads, WORKLOADS, "workload"), (shapes, MODEL_SHAPES, "shape")):
-        unknown = [n for n in name if n not in known]
+        unknown = [n for n in name if n not in known and not (what == "shape" and os.path.exists(n))]
         if unknown:
-            parser.error(f"unknown {what} {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+            parser.error(f"unknown {what} {unknown[0]!r}; allowed: {', '.join(sorted(known))}"
+                         + (" or a model's config.json / directory" if what == "shape" else ""))
     unit = None
     if args.prefix_match_unit is not None:
         if len(args.prefix_match_unit) != 1:

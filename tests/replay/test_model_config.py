@@ -141,3 +141,15 @@ def test_the_derivation_does_not_depend_on_the_host(tmp_path, monkeypatch):
     finally:
         mamba_utils.get_conv_state_layout.cache_clear()
     assert _cache_geometry(derived) == _cache_geometry(built_in)
+
+
+def test_the_python_api_and_the_sweep_take_a_path_as_the_shape(tmp_path):
+    from vllm_hybrid_backends.replay.harness import ReplayConfig
+
+    directory = _write(tmp_path, MODEL_SHAPES["qwen3-next-80b-a3b"].hf_config)
+    config = ReplayConfig(model_shape=str(directory))
+    assert _cache_geometry(config.resolved_shape()) == \
+        _cache_geometry(MODEL_SHAPES["qwen3-next-80b-a3b"])
+    assert config.layout().block_size == ReplayConfig(model_shape="qwen3-next-80b-a3b").layout().block_size
+    with pytest.raises(ValueError, match="unknown model shape 'nope'"):
+        ReplayConfig(model_shape="nope").resolved_shape()

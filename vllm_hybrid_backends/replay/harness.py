@@ -17,8 +17,10 @@ time of ``schedule()`` + ``update_from_output()``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import math
+import os
 import random
 import statistics
 import time
@@ -27,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import stats
-from .engine_config import EngineSetup, KVLayout, build_engine_setup
+from .engine_config import EngineSetup, KVLayout, build_engine_setup, shape_from_model_config
 from .oracle import FakeHybridWorker, Mismatch
 from .policy import Policy
-from .shapes import ModelShape, derive_cache_geometry, get_shape
+from .shapes import MODEL_SHAPES, ModelShape, derive_cache_geometry, get_shape
 from .workloads import Trace, TraceRequest
 
 __all__ = ["ReplayConfig", "ReplayError", "RequestRecord", "RunResult", "prefix_match_units",
@@ -79,7 +81,14 @@ class ReplayConfig:
     async_scheduler: bool = False
 
     def resolved_shape(self) -> ModelShape:
-        return self.shape if self.shape is not None else get_shape(self.model_shape)
+        """``shape``, else the built-in shape named ``model_shape``, else the shape vLLM
+        derives from the config.json (or model directory) at that path."""
+        if self.shape is not None:
+            return self.shape
+        if self.model_shape not in MODEL_SHAPES and os.path.exists(self.model_shape):
+            return _derived_shape(os.path.realpath(self.model_shape),
+                                  os.stat(self.model_shape).st_mtime_ns)
+        return get_shape(self.model_shape)
 
     def layout(self, *, attention_only: bool = False) -> KVLayout:
         shape = self.resolved_shape()
@@ -107,6 +116,11 @@ class ReplayConfig:
                         mamba_block_size=self.mamba_block_size, attention_only=attention_only,
                         num_spec_tokens=self.num_spec_tokens,
                         prefix_match_unit=None if attention_only else unit)
+
+
+@functools.lru_cache(maxsize=8)
+def _derived_shape(path: str, mtime_ns: int) -> ModelShape:
+    return shape_from_model_config(path)
 
 
 def prefix_match_units(block_size: int, mamba_block_size: int | None = None) -> list[int]:
