@@ -112,9 +112,9 @@ def test_configs_it_cannot_replay_are_refused_by_name(tmp_path, capsys, config, 
 
 def test_a_missing_or_unreadable_config_is_a_usage_error(tmp_path, capsys):
     assert main(["replay", "--model-shape", "granite-4.0-h"]) == 2
-    assert ("--model-shape: 'granite-4.0-h' is neither a built-in shape (nemotron-h-8b, "
-            "qwen3-next-80b-a3b, qwen3.5-0.8b) nor a model directory or config.json"
-            in capsys.readouterr().err)
+    assert ("--model-shape: unknown model shape 'granite-4.0-h'; allowed: qwen3.5-0.8b, "
+            "qwen3-next-80b-a3b, nemotron-h-8b, or the path of a hybrid model's config.json or "
+            "its directory" in capsys.readouterr().err)
     (tmp_path / "config.json").write_text("{not json")
     assert main(["replay", "--model-shape", str(tmp_path)]) == 2
     assert "config.json: not a readable JSON config" in capsys.readouterr().err

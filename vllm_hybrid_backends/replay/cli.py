@@ -97,20 +97,6 @@ def _reexec_with_vllm_path(argv: list[str]) -> int | None:
                            env=env)
 
 
-def _model_shape(value: str) -> Any:
-    """A built-in shape by name, or one vLLM derives from a model's config.json."""
-    from .shapes import MODEL_SHAPES
-
-    if value in MODEL_SHAPES:
-        return MODEL_SHAPES[value]
-    if not os.path.exists(value):
-        raise ValueError(f"{value!r} is neither a built-in shape ({', '.join(sorted(MODEL_SHAPES))})"
-                         f" nor a model directory or config.json")
-    from .engine_config import shape_from_model_config
-
-    return shape_from_model_config(value)
-
-
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     status = _reexec_with_vllm_path(argv)
     if status is not None:
@@ -118,7 +104,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     # vLLM logs INFO lines to stdout by default; keep stdout for the report.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from .harness import ReplayConfig, ReplayError
+    from .harness import ReplayConfig, ReplayError, resolve_model_shape
     from .report import (
         compare_policies,
         compare_with_cpu_tier,
@@ -180,7 +166,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     policies = ["upstream", "plugin"] if args.policy == "both" else [args.policy]
     try:
-        shape = _model_shape(args.model_shape)
+        shape = resolve_model_shape(args.model_shape)
     except ValueError as exc:
         print(f"error: --model-shape: {exc}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ from .shapes import MODEL_SHAPES, ModelShape, derive_cache_geometry, get_shape
 from .workloads import Trace, TraceRequest
 
 __all__ = ["ReplayConfig", "ReplayError", "RequestRecord", "RunResult", "prefix_match_units",
-           "run_replay"]
+           "resolve_model_shape", "run_replay"]
 
 STEP_BASE_S = 0.010
 STEP_PER_TOKEN_S = 0.00005
@@ -83,12 +83,7 @@ class ReplayConfig:
     def resolved_shape(self) -> ModelShape:
         """``shape``, else the built-in shape named ``model_shape``, else the shape vLLM
         derives from the config.json (or model directory) at that path."""
-        if self.shape is not None:
-            return self.shape
-        if self.model_shape not in MODEL_SHAPES and os.path.exists(self.model_shape):
-            return _derived_shape(os.path.realpath(self.model_shape),
-                                  os.stat(self.model_shape).st_mtime_ns)
-        return get_shape(self.model_shape)
+        return self.shape if self.shape is not None else resolve_model_shape(self.model_shape)
 
     def layout(self, *, attention_only: bool = False) -> KVLayout:
         shape = self.resolved_shape()
@@ -116,6 +111,14 @@ class ReplayConfig:
                         mamba_block_size=self.mamba_block_size, attention_only=attention_only,
                         num_spec_tokens=self.num_spec_tokens,
                         prefix_match_unit=None if attention_only else unit)
+
+
+def resolve_model_shape(value: str) -> ModelShape:
+    """The built-in shape named ``value``, else the shape vLLM derives from the config.json (or
+    model directory) at that path, once per file version; ``ValueError`` names what is allowed."""
+    if value not in MODEL_SHAPES and os.path.exists(value):
+        return _derived_shape(os.path.realpath(value), os.stat(value).st_mtime_ns)
+    return get_shape(value)
 
 
 @functools.lru_cache(maxsize=8)

@@ -207,7 +207,8 @@ def get_shape(name: str) -> ModelShape:
         return MODEL_SHAPES[name]
     except KeyError:
         raise ValueError(
-            f"unknown model shape {name!r}; allowed: {', '.join(MODEL_SHAPES)}"
+            f"unknown model shape {name!r}; allowed: {', '.join(MODEL_SHAPES)}, or the path of "
+            f"a hybrid model's config.json or its directory"
         ) from None
 
 
