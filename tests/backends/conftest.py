@@ -165,3 +165,20 @@ def vllm_fla_chunk(tmp_path):
         return torch.load(result)
 
     return run
+
+
+@pytest.fixture
+def load_bench():
+    """``load_bench("name")``: the module of ``bench/name.py``, loaded from its file."""
+    import importlib.util
+    from pathlib import Path
+
+    def load(name: str) -> Any:
+        path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -3,23 +3,11 @@ table in docs/results.md comes from a real run)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from vllm_hybrid_backends.replay.workloads import Trace, TraceRequest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "reuse_distance.py"
 
-
-def _module():
-    spec = importlib.util.spec_from_file_location("reuse_distance", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_source_is_the_earliest_longest_prefix_and_the_distance_what_came_between():
-    bench = _module()
+def test_the_source_is_the_earliest_longest_prefix_and_the_distance_what_came_between(load_bench):
+    bench = load_bench("reuse_distance")
     stem = list(range(100, 140))
     trace = Trace("t", [
         TraceRequest("a", stem + [1, 2], [7, 7, 7]),        # 45 tokens
@@ -33,8 +21,8 @@ def test_the_source_is_the_earliest_longest_prefix_and_the_distance_what_came_be
     assert found[3] == (40, 0, 35 + 46)     # b and c (45 + 1) between a and d
 
 
-def test_groups_are_multiples_of_the_cache():
-    bench = _module()
+def test_groups_are_multiples_of_the_cache(load_bench):
+    bench = load_bench("reuse_distance")
     assert [bench.group(d, 1000) for d in (0, 499, 500, 999, 1000, 1999, 2000, 10**6)] == [
         "< 0.5 x cache", "< 0.5 x cache", "< 1 x cache", "< 1 x cache", "< 2 x cache",
         "< 2 x cache", ">= 2 x cache", ">= 2 x cache"]
