@@ -678,11 +678,13 @@ def test_interior_tail_checkpoints_match_the_splits_they_replace():
     assert align.interior_tail_checkpoints(257, 1500, 1500, 128, DEFAULT) == [896, 1152, 1280]
 
 
-def test_interior_states_setting_is_read_from_the_environment(monkeypatch):
-    monkeypatch.setenv(align.INTERIOR_STATES_ENV, "0")
-    assert align.current_policy().interior_states is False
-    monkeypatch.setenv(align.INTERIOR_STATES_ENV, "maybe")
-    with pytest.raises(ValueError, match="VLLM_HYBRID_INTERIOR_STATES='maybe'"):
+@pytest.mark.parametrize(("variable", "field"), [
+    (align.INTERIOR_STATES_ENV, "interior_states"), (align.PASSED_STATES_ENV, "passed_states")])
+def test_a_switch_is_read_from_the_environment(monkeypatch, variable, field):
+    monkeypatch.setenv(variable, "0")
+    assert getattr(align.current_policy(), field) is False
+    monkeypatch.setenv(variable, "maybe")
+    with pytest.raises(ValueError, match=f"{variable}='maybe'"):
         align.current_policy()
 
 
@@ -848,3 +850,155 @@ def test_refused_kinds_get_interior_blocks_only_from_a_roomy_pool():
     assert coordinator_patch._roomy_interior(split, 2, planned) == []
     assert coordinator_patch._roomy_interior(roomy, 2, [(1, []), (2, [])]) == []
 
+
+
+def test_a_state_of_vllms_that_a_later_prompt_goes_past_becomes_passed_and_loses_its_place_only_on_evidence():
+    ledger = align.RetentionLedger()
+    ledger.record_kept(align.VLLM_KIND, 1, "s1", 2)
+    ledger.record_hit(1, "s1", 40)  # the next turn resumes from it ...
+    assert ledger.pass_on(1, "s1", 2)  # ... and goes on past it
+    assert ledger.kind_of(1, "s1") == align.PASSED
+    assert not ledger.pass_on(1, "s1", 2)  # a second prompt going past it: a fork, no change
+    ledger.record_kept("tail-1", 2, "s2")
+    assert not ledger.pass_on(2, "s2") and ledger.kind_of(2, "s2") == "tail-1"  # not vLLM's
+    assert not ledger.pass_on(3, "never kept")
+    # vLLM's own: its LRU place stays until the kind shows it is rarely reused
+    assert not ledger.on_probation(1, "s1")
+    for n in range(align.RETENTION_WARMUP):
+        ledger.record_kept(align.VLLM_KIND, 100 + n, ("p", n))
+        ledger.pass_on(100 + n, ("p", n))
+    assert ledger.on_probation(1, "s1") and ledger.on_probation(100, ("p", 0))
+    ledger.record_hit(100, ("p", 0), 40)  # a second prompt resumed from it: a fork, kept
+    assert not ledger.on_probation(100, ("p", 0)) and ledger.on_probation(1, "s1")
+    # the states (and their blocks) moved to the new kind; the hit that came first stays vLLM's
+    assert ledger.kept[align.VLLM_KIND] == 0 and ledger.kept[align.PASSED] == 1 + align.RETENTION_WARMUP
+    assert ledger.value[align.VLLM_KIND] == [40.0, 0.0]
+    assert ledger.reused[align.VLLM_KIND] == 1 and ledger.reused[align.PASSED] == 1
+    # one in RETENTION_MIN_REUSE passed states reused: every one keeps its LRU place again
+    needed = -(-ledger.kept[align.PASSED] // align.RETENTION_MIN_REUSE) - 1
+    assert needed >= 1
+    for n in range(needed):
+        ledger.record_hit(101 + n, ("p", 1 + n), 40)
+    assert not ledger.on_probation(1, "s1")
+
+
+def test_an_extra_kind_at_a_passed_states_boundary_takes_it_over():
+    ledger = align.RetentionLedger()
+    ledger.record_kept(align.VLLM_KIND, 1, "s1", 3)
+    ledger.pass_on(1, "s1", 3)
+    ledger.record_kept("tail-2", 1, "s1", 3)  # a later prompt's tail-2 boundary is this state
+    assert ledger.kind_of(1, "s1") == "tail-2"
+    assert ledger.kept[align.PASSED] == 0 and ledger.value[align.PASSED][1] == 0
+    assert ledger.kept["tail-2"] == 1 and ledger.kept[align.VLLM_KIND] == 0
+
+
+def test_passed_states_queue_behind_the_probation_segment_and_extras_never_take_them():
+    state = coordinator_patch.CoordinatorState()
+    uncached, lru = _block(0, False), _block(1, True)
+    extra, passed, passed_late = _block(7, True), _block(8, True), _block(9, True)
+    queue = _queue_with([uncached, lru, extra, passed, passed_late])
+    coordinator_patch._evict_first_among_cached(state, queue, [extra])
+    coordinator_patch._evict_before_lru(state, queue, [passed])
+    assert _ids(queue) == [0, 7, 8, 1, 9]
+    coordinator_patch._evict_before_lru(state, queue, [passed_late])
+    assert _ids(queue) == [0, 7, 8, 9, 1]  # first in, first out among passed states
+    extra_late = _block(10, True)
+    queue.append_n([extra_late])
+    coordinator_patch._evict_first_among_cached(state, queue, [extra_late])
+    assert _ids(queue) == [0, 7, 10, 8, 9, 1]  # extras nobody reused still go first
+    # an unproven extra may take uncached and probation blocks, never a passed state's
+    assert coordinator_patch._spare_for_extras(state, queue, 10) == 3
+    roomy = _queue_with([_block(i, False) for i in range(20, 21 + coordinator_patch.PROBATION_SCAN)]
+                        + [_block(11, True)])
+    coordinator_patch._evict_before_lru(coordinator_patch.CoordinatorState(), roomy,
+                                        [roomy.fake_free_list_tail.prev_free_block])
+    assert _ids(roomy)[-1] == 11  # plenty of uncached blocks free: LRU order stays
+
+
+def test_a_state_cached_again_where_an_earlier_copy_was_reused_is_a_fork_never_passed():
+    ledger = align.RetentionLedger()
+    ledger.record_kept(align.VLLM_KIND, 1, "system prompt")
+    ledger.record_hit(1, "system prompt", 40)  # another session resumed from it
+    ledger.record_kept(align.VLLM_KIND, 9, "system prompt")  # evicted, cached again elsewhere
+    assert not ledger.pass_on(9, "system prompt")
+    ledger.record_kept(align.VLLM_KIND, 2, "a turn's end")  # never reused: passed by the next
+    ledger.record_kept(align.VLLM_KIND, 3, "a turn's end")
+    assert ledger.pass_on(3, "a turn's end")
+    # a hit an evicted copy would have given makes the place a fork too
+    ledger.record_kept(align.VLLM_KIND, 4, "edited turn")
+    ledger.record_lookup(40, 0, "edited turn", 40)
+    ledger.record_kept(align.VLLM_KIND, 5, "edited turn")
+    assert not ledger.pass_on(5, "edited turn")
+
+
+def test_a_state_a_second_request_resumed_from_is_a_fork_never_passed():
+    ledger = align.RetentionLedger()
+    ledger.record_kept(align.VLLM_KIND, 1, "turn")
+    ledger.record_hit(1, "turn", 40, requester="regenerate")  # a resend resumed from it
+    ledger.record_hit(1, "turn", 40, requester="next turn")
+    assert not ledger.pass_on(1, "turn")
+    ledger.record_kept(align.VLLM_KIND, 2, "other turn")
+    ledger.record_hit(2, "other turn", 40, requester="next turn")
+    ledger.record_hit(2, "other turn", 40, requester="next turn")  # looked up again, waiting
+    assert ledger.pass_on(2, "other turn")
+
+
+def test_a_segment_end_that_was_hit_and_freed_again_is_not_an_anchor():
+    # the passed state 8 is hit (leaves the queue) and freed again at the LRU end: the next
+    # passed state still goes in front of the LRU blocks, not behind 8
+    state = coordinator_patch.CoordinatorState()
+    blocks = [_block(0, False), _block(1, True), _block(2, True), _block(8, True), _block(9, True)]
+    queue = _queue_with(blocks[:4])
+    coordinator_patch._evict_before_lru(state, queue, [blocks[3]])
+    assert _ids(queue) == [0, 8, 1, 2]
+    queue.remove(blocks[3])
+    queue.append_n([blocks[3], blocks[4]])
+    coordinator_patch._evict_before_lru(state, queue, [blocks[4]])
+    assert _ids(queue) == [0, 9, 1, 2, 8]
+    # the same for the probation segment
+    extra, late = _block(20, True), _block(21, True)
+    queue.append_n([extra])
+    coordinator_patch._evict_first_among_cached(state, queue, [extra])
+    assert _ids(queue) == [0, 20, 9, 1, 2, 8]
+    queue.remove(extra)
+    queue.append_n([extra, late])
+    coordinator_patch._evict_first_among_cached(state, queue, [late])
+    assert _ids(queue) == [0, 21, 9, 1, 2, 8, 20]
+
+
+def test_a_passed_hit_goes_to_the_passed_segment_only_while_passed_and_refused():
+    state = coordinator_patch.CoordinatorState()
+    ledger = state.ledger
+    for n in range(align.RETENTION_WARMUP):  # passed states nobody resumed from: refused
+        ledger.record_kept(align.VLLM_KIND, 100 + n, ("p", n))
+        ledger.pass_on(100 + n, ("p", n))
+    request = next(f"r{n}" for n in range(100) if not align.explores(f"r{n}"))
+    explorer = next(f"r{n}" for n in range(100) if align.explores(f"r{n}"))
+    lru, passed, taken_over, explored = _block(1, True), _block(5, True), _block(6, True), _block(7, True)
+    queue = _queue_with([_block(0, False), lru, passed, taken_over, explored])
+    for block in (passed, taken_over, explored):
+        block.ref_cnt = 0
+        ledger.record_kept(align.VLLM_KIND, block.block_id, block.block_hash)
+        assert ledger.pass_on(block.block_id, block.block_hash)
+        state.passed_keys.add(block.block_id)
+    ledger.record_kept("tail-2", 6, taken_over.block_hash)  # a tail kind's boundary: not passed
+    state.kept_states[request] = {5: (passed, passed.block_hash, [passed]),
+                                  6: (taken_over, taken_over.block_hash, [taken_over])}
+    state.kept_states[explorer] = {7: (explored, explored.block_hash, [explored])}
+    pool = types.SimpleNamespace(free_block_queue=queue)
+    coordinator_patch._release_probation(state, pool, request, finished=True)
+    coordinator_patch._release_probation(state, pool, explorer, finished=True)
+    assert _ids(queue) == [0, 5, 1, 6, 7]  # the tail kind's state and the sample's stay put
+    assert not state.kept_states and not state.passed_keys
+
+
+def test_a_preempted_request_leaves_its_passed_state_in_place_and_no_entry_behind():
+    state = coordinator_patch.CoordinatorState()
+    coordinator = types.SimpleNamespace(_hybrid_state=state)
+    coordinator.remove_skipped_blocks = object()  # the release wrapper, bound
+    block = _block(5, True)
+    state.passed_keys.add(5)
+    state.kept_states["r"] = {5: (block, block.block_hash, [block])}
+    coordinator_patch.keep_passed_in_place(coordinator, "r")
+    assert state.kept_states == {} and state.passed_keys == set()
+    assert "remove_skipped_blocks" not in vars(coordinator)

@@ -61,6 +61,20 @@ per-request paths then read no environment variable):
   middle of its prefill, keep its Mamba state at the last block boundary it computed (kind
   ``resume``), so it resumes from there instead of recomputing its prompt from the start (or
   from its first hit): vLLM frees that state unhashed.
+- ``VLLM_HYBRID_PASSED_STATES`` (default 1, with adaptive retention and its value rule): when
+  a prompt resumes from a state vLLM kept at an earlier prompt's end and goes on past it to a
+  deeper boundary of its own, that state becomes kind ``passed``: the next turn of a
+  conversation extends the new prompt, not the old one. Under pressure vLLM's LRU keeps every
+  turn's state of a conversation (production-style traffic, qwen3.5-0.8b, 131,072 tokens:
+  half the cached free blocks were Mamba states, two in five of those passed ones). Passed
+  states keep their LRU place until the ledger has seen :data:`RETENTION_WARMUP` of them and
+  fewer than one in :data:`RETENTION_MIN_REUSE` reused (nor do they save as much per block as
+  vLLM's others, :meth:`RetentionLedger.earns_blocks`); from then on one nobody else resumed
+  from is evicted, when released, after the extra states on probation and before every block
+  at its LRU place (except for a sample of requests, :func:`explores`, and while the pool has
+  many uncached blocks free). A second prompt resuming from it (an edited or retried turn)
+  makes it a fork, kept like any state, and so is one cached again where an earlier copy was
+  reused. Not with EAGLE drafts.
 - ``VLLM_HYBRID_INTERIOR_STATES`` (default 1): where the Mamba layers' forward can store states
   at block boundaries inside a prefill chunk (:func:`vllm_hybrid_backends.interior.checkpoints`; vLLM-CPU's gated
   delta net and Mamba2 with this plugin), tail checkpoints get a cache block inside the chunk instead of a
@@ -101,12 +115,16 @@ SUBBLOCK_JUNCTIONS_ENV = "VLLM_HYBRID_SUBBLOCK_JUNCTIONS"
 FAR_CHECKPOINTS_ENV = "VLLM_HYBRID_FAR_CHECKPOINTS"
 VALUE_RETENTION_ENV = "VLLM_HYBRID_VALUE_RETENTION"
 RESUME_STATES_ENV = "VLLM_HYBRID_RESUME_STATES"
+PASSED_STATES_ENV = "VLLM_HYBRID_PASSED_STATES"
 DEFAULT_TAIL_CHECKPOINTS = 4
 #: Kinds of extra state: ``tail-<blocks before the last prompt boundary>``, decode, and
 #: ``far-<blocks before the last prompt boundary>`` (past the tail reach, speculative only).
 TAIL, DECODE, FAR = "tail", "decode", "far"
 #: The kind of a preempted request's state at its last computed block boundary.
 RESUME = "resume"
+#: The kind a state of vLLM's own becomes once the first later prompt resumes from it and goes
+#: on past it (a conversation's previous turn, extended by the next).
+PASSED = "passed"
 #: Mamba layer kinds whose decode-end states are off unless ``VLLM_HYBRID_DECODE_CHECKPOINTS``
 #: is set: Mamba2's per-token decode update drifts from its chunked scan well past prefill-path
 #: noise (0.03-0.11 nats against 0.000, docs/decode_states.md); the gated delta net's stays
@@ -142,6 +160,8 @@ class AlignPolicy:
     value_retention: bool = True
     #: keep a preempted prefill's state at its last computed block boundary
     resume_states: bool = True
+    #: a state of vLLM's own that the first later prompt went on past earns its LRU place
+    passed_states: bool = True
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -196,6 +216,7 @@ def current_policy() -> AlignPolicy:
         far_checkpoints=_flag(FAR_CHECKPOINTS_ENV, True),
         value_retention=_flag(VALUE_RETENTION_ENV, True),
         resume_states=_flag(RESUME_STATES_ENV, True),
+        passed_states=_flag(PASSED_STATES_ENV, True),
     )
 
 
@@ -364,6 +385,12 @@ def admits_kind(kept: int, reused: int, request_id: str, earns_blocks: bool = Fa
     (``earns_blocks``: the kind passes the ledger's value rule)."""
     if kept < RETENTION_WARMUP or earns_blocks or reused * RETENTION_MIN_REUSE >= kept:
         return True
+    return explores(request_id)
+
+
+def explores(request_id: str) -> bool:
+    """Whether a request is in the sample (one in :data:`RETENTION_EXPLORE`) that keeps a
+    refused kind's states anyway, so the ledger notices when the workload starts reusing it."""
     return zlib.crc32(request_id.encode()) % RETENTION_EXPLORE == 0
 
 
@@ -399,6 +426,11 @@ class RetentionLedger:
         self._states: dict[int, tuple[str, object, bool]] = {}  # block id -> (kind, hash, reused)
         #: state hash -> [kind, reused, block id], the newest :data:`RETENTION_MEMORY`
         self._remembered: collections.OrderedDict[object, list] = collections.OrderedDict()
+        #: hashes of states cached again where an earlier copy was reused (or would have been,
+        #: :meth:`record_lookup`), the newest :data:`RETENTION_MEMORY`: forks, never passed
+        self._forks: collections.OrderedDict[object, None] = collections.OrderedDict()
+        #: block id -> (hash, requester) of the first prefix hit on the state there
+        self._first_hit: dict[int, tuple[object, object]] = {}
 
     def admits(self, kind: str, request_id: str) -> bool:
         decisions = self._decisions.setdefault(request_id, {})
@@ -430,16 +462,50 @@ class RetentionLedger:
         Mamba group)."""
         entry = self._states.get(block_id)
         if entry is not None and entry[1] == block_hash:
-            if entry[0] != VLLM_KIND or kind == VLLM_KIND:
+            if entry[0] not in (VLLM_KIND, PASSED) or kind == VLLM_KIND:
                 return  # counted already
-            # vLLM's own state at this kind's boundary of a later prompt becomes the kind's, as
-            # before vLLM's were recorded (keeping it vLLM's measured mixed: docs/results.md);
-            # vLLM's counts give it up
-            for kept, values, key in ((self.kept, self.value, VLLM_KIND),
-                                      (self.family_kept, self.family_value, VLLM_KIND)):
+            # vLLM's own state (or a passed one) at this kind's boundary of a later prompt
+            # becomes the kind's, as before vLLM's were recorded (keeping it vLLM's measured
+            # mixed: docs/results.md); the old kind's counts give it up
+            for kept, values, key in ((self.kept, self.value, entry[0]),
+                                      (self.family_kept, self.family_value, entry[0])):
                 kept[key] = max(0, kept.get(key, 0) - 1)
                 value = values.setdefault(key, [0.0, 0.0])
                 value[1] = max(0.0, value[1] - blocks)
+        else:
+            earlier = self._remembered.get(block_hash)
+            if earlier is not None and earlier[1]:  # cached again where a copy was reused
+                self._add_fork(block_hash)
+        self._count_kept(kind, block_id, block_hash, blocks)
+
+    def _add_fork(self, block_hash: object) -> None:
+        forks = self._forks
+        forks[block_hash] = None
+        forks.move_to_end(block_hash)
+        if len(forks) > RETENTION_MEMORY:
+            forks.popitem(last=False)
+
+    def pass_on(self, block_id: int, block_hash: object, blocks: int = 1) -> bool:
+        """vLLM's own state in ``block_id``, which a later prompt resumes from and goes on past,
+        becomes a :data:`PASSED` state, not yet reused (vLLM's counts keep the hit). Returns
+        False, changing nothing, for any other state: an extra, one passed already (this is a
+        second prompt resuming from it: a fork), one cached again where an earlier copy was
+        reused (a fork too)."""
+        if self.kind_of(block_id, block_hash) != VLLM_KIND or block_hash in self._forks:
+            return False
+        # its blocks move from vLLM's count to this kind's (vLLM's own states both: the value
+        # rule's baseline adds them up, as before the state was passed)
+        self.kept[VLLM_KIND] = max(0, self.kept.get(VLLM_KIND, 0) - 1)
+        value = self.value.setdefault(VLLM_KIND, [0.0, 0.0])
+        value[1] = max(0.0, value[1] - blocks)
+        self._count_kept(PASSED, block_id, block_hash, blocks)
+        return True
+
+    def kind_of(self, block_id: int, block_hash: object) -> str | None:
+        entry = self._states.get(block_id)
+        return entry[0] if entry is not None and entry[1] == block_hash else None
+
+    def _count_kept(self, kind: str, block_id: int, block_hash: object, blocks: int) -> None:
         self._states[block_id] = (kind, block_hash, False)
         self._remembered[block_hash] = [kind, False, block_id]
         self._remembered.move_to_end(block_hash)
@@ -463,10 +529,20 @@ class RetentionLedger:
         """vLLM cached ``blocks`` attention blocks: the baseline's cost beside its states."""
         self.value.setdefault(VLLM_KIND, [0.0, 0.0])[1] += blocks
 
-    def record_hit(self, block_id: int, block_hash: object, tokens: int = 0) -> None:
-        """A prefix hit of ``tokens`` prompt tokens ends on the state in ``block_id``."""
+    def record_hit(self, block_id: int, block_hash: object, tokens: int = 0,
+                   requester: object = None) -> None:
+        """A prefix hit of ``tokens`` prompt tokens ends on the state in ``block_id``;
+        ``requester`` tells lookups of one request (looked up again while it waits) from a
+        second request's: a state two requests resumed from is a fork, never passed."""
         entry = self._states.get(block_id)
-        if entry is None or entry[1] != block_hash or entry[2]:
+        if entry is None or entry[1] != block_hash:
+            return
+        first = self._first_hit.get(block_id)
+        if first is None or first[0] != block_hash:
+            self._first_hit[block_id] = (block_hash, requester)
+        elif requester is None or first[1] != requester:
+            self._add_fork(block_hash)
+        if entry[2]:
             return
         self._states[block_id] = (entry[0], block_hash, True)
         remembered = self._remembered.get(block_hash)
@@ -505,8 +581,8 @@ class RetentionLedger:
     def capacity_bound(self) -> bool:
         """Whether prefix lookups lose many tokens to evicted prefixes (or too few were seen)."""
         hit, lost, looked = self.lookups
-        return (looked < VALUE_MIN_SAMPLES or self.kept.get(VLLM_KIND, 0) < VALUE_MIN_SAMPLES
-                or lost * VALUE_MAX_LOST > hit)
+        own = self.kept.get(VLLM_KIND, 0) + self.kept.get(PASSED, 0)
+        return looked < VALUE_MIN_SAMPLES or own < VALUE_MIN_SAMPLES or lost * VALUE_MAX_LOST > hit
 
     def earns_blocks(self, key: str, family: bool = False) -> bool:
         """The value rule: the kind (or family) ``key`` saved, per block it held, at least as
@@ -519,6 +595,9 @@ class RetentionLedger:
                 or baseline is None or value[0] <= 0 or baseline[1] <= 0
                 or self.capacity_bound()):
             return False
+        passed = self.value.get(PASSED)  # vLLM's own states too
+        if passed is not None and key != PASSED:
+            baseline = [baseline[0] + passed[0], baseline[1] + passed[1]]
         return value[0] * baseline[1] >= baseline[0] * value[1]
 
     def proven(self, kind: str) -> bool:
@@ -536,8 +615,13 @@ class RetentionLedger:
         (Probation for every never-reused state, proven kinds included, measured lower:
         replay agentic, qwen3.5-0.8b, 131,072 tokens: 0.375 against 0.400; docs/results.md.)"""
         entry = self._states.get(block_id)
-        return (entry is not None and entry[1] == block_hash and not entry[2]
-                and entry[0] != VLLM_KIND and not self.proven(entry[0]))
+        if entry is None or entry[1] != block_hash or entry[2] or entry[0] == VLLM_KIND:
+            return False
+        if entry[0] == PASSED:  # vLLM's own: its LRU place is lost only on evidence
+            kept = self.kept.get(PASSED, 0)
+            return (kept >= RETENTION_WARMUP and self.reused.get(PASSED, 0) * RETENTION_MIN_REUSE
+                    < kept and not self.earns_blocks(PASSED))
+        return not self.proven(entry[0])
 
     def forget_request(self, request_id: str) -> None:
         self._decisions.pop(request_id, None)

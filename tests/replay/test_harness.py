@@ -7,6 +7,7 @@ imported; the full-size default run is exercised by ``test_cli.py``.
 from __future__ import annotations
 
 import itertools
+import random
 from pathlib import Path
 from typing import Any
 
@@ -905,3 +906,62 @@ def test_a_rarely_reused_tail_kind_is_kept_when_it_saves_more_per_block_than_vll
     assert hits["value rule off"] < hits["plugin"] // 2
     for run in runs.values():
         assert run.mismatches == [] and run.blocks_leaked == 0
+
+
+def _conversations_trace(sessions: int = 16, turns: int = 5, siblings: int = 0) -> Trace:
+    # Interleaved conversations whose every turn resends the previous prompt and adds 10-30
+    # tokens; with ``siblings``, each turn's message is also replaced by another one soon
+    # after (an edited message: a fork at the previous turn's end, which the turn went past).
+    rng = random.Random(0)
+    requests = []
+    for s in range(sessions):
+        prompt = [50000 + 1000 * s + k for k in range(rng.randint(12, 30))]
+        start = s * 0.6
+        for turn in range(turns):
+            previous, fresh = prompt, 60000 + 1000 * s + 40 * turn
+            prompt = prompt + [fresh + k for k in range(rng.randint(10, 30))]
+            at = start + 4.0 * turn
+            requests.append(TraceRequest(f"s{s}t{turn}", list(prompt), [7] * 3, arrival_s=at))
+            for b in range(siblings if turn else 0):
+                edited = previous + [90000 + 1000 * s + 40 * turn + 10 * b + k for k in range(12)]
+                requests.append(TraceRequest(f"s{s}t{turn}b{b}", edited, [7] * 3,
+                                             arrival_s=at + 0.3 + 0.2 * b))
+    return Trace("conversations", sorted(requests, key=lambda r: r.arrival_s))
+
+
+@pytest.mark.parametrize("cache_tokens", [1600, 2000])
+def test_a_conversations_earlier_turn_states_go_before_the_states_its_next_turn_needs(
+        monkeypatch, cache_tokens):
+    from vllm_hybrid_backends import align
+
+    # Under pressure vLLM's LRU keeps every turn's state of a conversation; once the next turn
+    # has gone past one, the cache holds the deeper one the turn after will need.
+    config = _tiny(cache_tokens=cache_tokens)
+    hits = {}
+    for name, policy, passed in (("upstream", "upstream", "1"), ("off", "plugin", "0"),
+                                 ("on", "plugin", "1")):
+        monkeypatch.setenv(align.PASSED_STATES_ENV, passed)
+        run = run_replay(_conversations_trace(), config, get_policy(policy))
+        assert run.mismatches == [] and run.blocks_leaked == 0
+        hits[name] = sum(r.hit_tokens for r in run.requests.values())
+    assert hits["on"] >= 1.25 * hits["off"] and hits["off"] >= hits["upstream"]
+
+
+def test_passed_states_that_forks_resume_from_keep_their_lru_place(monkeypatch):
+    from vllm_hybrid_backends import align
+
+    # Every turn is retried from inside it soon after: the passed states are reused, so the
+    # ledger never puts them on probation (a fork found them where upstream keeps them).
+    config = _tiny(cache_tokens=1600)
+    runs = {}
+    for passed in ("0", "1"):
+        monkeypatch.setenv(align.PASSED_STATES_ENV, passed)
+        [(runs[passed], state)] = _engines_in_one_process(
+            _conversations_trace(siblings=1), config, 1)
+        assert runs[passed].mismatches == [] and runs[passed].blocks_leaked == 0
+    assert state.ledger.kept[align.PASSED] >= align.RETENTION_WARMUP
+    assert state.ledger.reused[align.PASSED] * align.RETENTION_MIN_REUSE >= \
+        state.ledger.kept[align.PASSED]
+    assert not state.passed  # never moved
+    assert [r.hit_tokens for r in runs["1"].requests.values()] == \
+        [r.hit_tokens for r in runs["0"].requests.values()]

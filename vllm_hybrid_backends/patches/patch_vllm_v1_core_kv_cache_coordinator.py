@@ -101,6 +101,15 @@ finished request's cached prefix from its end, all groups together.
   that free copy is evicted and goes to the front of the free queue. A hybrid hit ends at the
   deepest Mamba state, so requests recompute attention blocks the cache still holds past it;
   vLLM keeps both copies, the older one until its LRU turn.
+- Passed states (``VLLM_HYBRID_PASSED_STATES``, issue 15 items 2-3): on a request's first
+  cached chunk (:func:`_pass_on_hit_state`), vLLM's state its prefix hit ended on, if the
+  request goes on past it, becomes the ledger's kind ``passed``; while the ledger refuses that
+  kind, the request releases it (:func:`_release_probation`, the ``remove_skipped_blocks``
+  wrapper bound meanwhile) to a segment of vLLM's free queue behind the extras on probation
+  and before every block at its LRU place (:func:`_evict_before_lru`), unless another prompt
+  resumed from it meanwhile or the request is one of the ledger's exploration sample. Nothing
+  moves while the pool has 64 uncached blocks free at its head (no deferral, unlike
+  probation). Extras never take those blocks (:func:`_spare_for_extras` stops at them).
 - State: the ledger, the kept states, the probation segment and the managers found once live
   in one :class:`CoordinatorState` per coordinator (:func:`state_of`), so two engines in one
   process (the replay's upstream and plugin runs) share nothing.
@@ -187,6 +196,12 @@ class CoordinatorState:
     probation: dict[int, Any] = field(default_factory=dict)
     #: The newest block of the probation segment (new ones queue behind it: the oldest goes first).
     probation_last: Any = None
+    #: block id -> hash of the passed states (:data:`align.PASSED`) moved behind the probation
+    #: segment, in front of every block at its LRU place; the segment's newest block.
+    passed: dict[int, Any] = field(default_factory=dict)
+    passed_last: Any = None
+    #: ledger block ids of the passed states in ``kept_states`` (a request's own hit)
+    passed_keys: set[int] = field(default_factory=set)
     #: block id -> (block, its hash) of probation blocks freed while the pool had spare uncached
     #: blocks: they keep their LRU place until an allocation is about to evict a block vLLM
     #: keeps cached, then join the probation segment first (:func:`_place_deferred`).
@@ -566,21 +581,31 @@ def _release_probation(state: CoordinatorState, block_pool: Any, request_id: str
     on probation (:meth:`align.RetentionLedger.on_probation`) in front of the cached blocks."""
     kept = state.kept_states.get(request_id)
     if not kept:
+        state.kept_states.pop(request_id, None)
         return
     front: list[Any] = []
+    passed: list[Any] = []
     for key_id, (key, key_hash, blocks) in list(kept.items()):
         if key.block_hash != key_hash:  # evicted and reused meanwhile
             del kept[key_id]
             continue
         if all(b.ref_cnt == 0 and b.prev_free_block is not None for b in blocks):
             del kept[key_id]
-            if state.ledger.on_probation(key_id, key_hash):
+            if key_id in state.passed_keys:  # the request's hit, passed: never on probation
+                state.passed_keys.discard(key_id)
+                if (state.ledger.kind_of(key_id, key_hash) == align.PASSED
+                        and state.ledger.on_probation(key_id, key_hash)
+                        and not align.explores(request_id)):
+                    passed += [b for b in blocks if b.block_hash is not None]
+            elif state.ledger.on_probation(key_id, key_hash):
                 front += [b for b in blocks if b.block_hash is not None]
                 state.probation_keys.update((b.block_id, (key_id, key_hash)) for b in blocks)
     if finished or not kept:
         state.kept_states.pop(request_id, None)
     if front:
         _evict_first_among_cached(state, block_pool.free_block_queue, front)
+    if passed:
+        _evict_before_lru(state, block_pool.free_block_queue, passed)
 
 
 def remove_skipped_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> None:
@@ -656,12 +681,71 @@ def cache_blocks(self: Any, request: Any, num_computed_tokens: int) -> None:
     manager_patch.disarm(self, "cache_blocks")
     original = type(self).cache_blocks
     request_id = request.request_id
+    if not getattr(request, "_hybrid_passed_checked", False):
+        _pass_on_hit_state(self, request)
     if fills_mamba_block(self, request_id, num_computed_tokens):
         _cache_blocks(original, self, request, num_computed_tokens)
     else:
         original(self, request, num_computed_tokens)
     request._hybrid_next_fill = min(((m.num_cached_block.get(request_id, 0) + 1) * m.block_size
                                      for m in _per_block_size(self)), default=_NEVER)
+
+
+def _pass_on_hit_state(coordinator: Any, request: Any) -> None:
+    """On a request's first cached chunk: if its prefix hit ended on a state vLLM kept (an
+    earlier prompt's end) and the request goes on past it to a deeper boundary of its own,
+    that state becomes :data:`align.PASSED`; while the ledger refuses that kind the request
+    releases it to the passed segment (:func:`_release_probation`), unless another prompt
+    resumes from it meanwhile (``VLLM_HYBRID_PASSED_STATES``). A resumed request (preempted)
+    is not looked at again."""
+    request._hybrid_passed_checked = True
+    state = state_of(coordinator)
+    managers = _mamba_managers(coordinator)
+    if (not managers or not state.ledger.compares_value or getattr(coordinator, "use_eagle", False)
+            or getattr(coordinator, "eagle_group_ids", None)):
+        return  # EAGLE: a resend's hit ends a block early, before the state it keeps
+    policy = _cache_policy(coordinator, state)
+    if not (policy.passed_states and policy.adaptive_retention):
+        return
+    request_id = request.request_id
+    manager = managers[0]
+    size = manager.block_size
+    blocks = manager.req_to_blocks.get(request_id, ())
+    hit = min(manager.num_cached_block.get(request_id, 0), len(blocks))
+    if not 0 < hit * size < align.last_prompt_boundary(request.num_prompt_tokens, size):
+        return  # no hit, or the request keeps no deeper state of vLLM's
+    block = blocks[hit - 1]
+    if block.is_null or block.block_hash is None:
+        return
+    group_blocks = [m.req_to_blocks[request_id][hit - 1] for m in managers
+                    if m.block_size == size and hit <= len(m.req_to_blocks.get(request_id, ()))]
+    group_blocks = [b for b in group_blocks if not b.is_null and b.block_hash is not None]
+    ledger = state.ledger
+    if not ledger.pass_on(block.block_id, block.block_hash, len(group_blocks)):
+        return
+    if not ledger.on_probation(block.block_id, block.block_hash):
+        return  # the kind keeps its LRU place for now: nothing to release
+    if not state.kept_states:
+        _watch_releases(coordinator)
+    state.passed_keys.add(block.block_id)
+    state.kept_states.setdefault(request_id, {})[block.block_id] = (
+        block, block.block_hash, group_blocks)
+
+
+def keep_passed_in_place(coordinator: Any, request_id: str) -> None:
+    """Before vLLM frees a preempted request's blocks: the passed states it holds keep their
+    LRU place (it comes back and resumes from them)."""
+    state = state_of(coordinator)
+    kept = state.kept_states.get(request_id)
+    if kept is None:
+        return
+    for key_id in [key_id for key_id in kept if key_id in state.passed_keys]:
+        del kept[key_id]
+        state.passed_keys.discard(key_id)
+    if not kept:
+        del state.kept_states[request_id]
+        if not state.kept_states:
+            manager_patch.disarm(coordinator, "remove_skipped_blocks")
 
 
 def manager_cache_blocks(self: Any, request: Any, num_computed_tokens: int) -> None:
@@ -956,7 +1040,8 @@ def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length:
     if result[1] > 0 and managers:
         hit = result[0][self.single_type_managers.index(managers[0])]
         if hit and not hit[-1].is_null and hit[-1].block_hash is not None:
-            state.ledger.record_hit(hit[-1].block_id, hit[-1].block_hash, result[1])
+            state.ledger.record_hit(hit[-1].block_id, hit[-1].block_hash, result[1],
+                                    id(block_hashes))
             if stats.enabled:
                 stats.record_reused(hit[-1])
     if managers and state.ledger.compares_value:
@@ -1402,42 +1487,87 @@ def _evict_first_among_cached(state: CoordinatorState, queue: Any, blocks: list[
     blocks = [b for b in blocks if b.ref_cnt == 0 and b.prev_free_block is not None]
     if not blocks:
         return
-    last = state.probation_last
-    if (last is not None and last.ref_cnt == 0 and last.prev_free_block is not None
-            and _on_probation(state, last) and all(last is not b for b in blocks)):
-        anchor = last
-    else:
-        anchor = queue.fake_free_list_head
-        for _ in range(PROBATION_SCAN):
-            following = anchor.next_free_block
-            if following is queue.fake_free_list_tail or following.block_hash is not None:
-                break
-            anchor = following
-        else:  # plenty of uncached blocks free: LRU order stays until an eviction comes
-            _defer(state, queue, blocks)
-            return
-        for _ in range(len(state.probation)):  # the newest left the queue: find the segment's end
-            following = anchor.next_free_block
-            if following is queue.fake_free_list_tail or not _on_probation(state, following) \
-                    or any(following is b for b in blocks):
-                break
-            anchor = following
+    anchor = _segment_end(state, queue, blocks, passed=False)
+    if anchor is None:  # plenty of uncached blocks free: LRU order stays until an eviction comes
+        _defer(state, queue, blocks)
+        return
     _put_on_probation_after(state, queue, anchor, blocks)
+
+
+def _segment_end(state: CoordinatorState, queue: Any, blocks: list[Any], passed: bool) -> Any:
+    """The block that new ``blocks`` of the probation segment (``passed``: of the passed
+    segment, behind it) queue behind: the segment's remembered newest block while it is still
+    there, else found from the queue's head past the uncached blocks and the segment(s); None
+    when :data:`PROBATION_SCAN` uncached blocks are free at the head."""
+    last = state.passed_last if passed else state.probation_last
+    if (last is not None and last.ref_cnt == 0 and last.prev_free_block is not None
+            and (_on_passed if passed else _on_probation)(state, last)
+            and all(last is not b for b in blocks)
+            and _in_front_segment(state, queue, last.prev_free_block, passed)):
+        return last
+    anchor = queue.fake_free_list_head
+    for _ in range(PROBATION_SCAN):
+        following = anchor.next_free_block
+        if following is queue.fake_free_list_tail or following.block_hash is not None:
+            break
+        anchor = following
+    else:
+        return None
+    for _ in range(len(state.probation) + (len(state.passed) if passed else 0)):
+        following = anchor.next_free_block  # the newest left the queue: find the segment's end
+        if (following is queue.fake_free_list_tail or any(following is b for b in blocks)
+                or not (_on_probation(state, following)
+                        or (passed and _on_passed(state, following)))):
+            break
+        anchor = following
+    return anchor
 
 
 def _put_on_probation_after(state: CoordinatorState, queue: Any, anchor: Any,
                             blocks: list[Any]) -> None:
     """Move free ``blocks`` right behind ``anchor`` in the free queue, on probation, in order."""
     for block in blocks:
-        queue.remove(block)
         state.probation[block.block_id] = block.block_hash
+    state.probation_last = _move_after(queue, anchor, blocks)
+
+
+def _move_after(queue: Any, anchor: Any, blocks: list[Any]) -> Any:
+    """Move free ``blocks`` right behind ``anchor`` in the free queue, in order; the last."""
+    for block in blocks:
+        queue.remove(block)
     following = anchor.next_free_block
     for block in blocks:
         anchor.next_free_block, block.prev_free_block = block, anchor
         anchor = block
     anchor.next_free_block, following.prev_free_block = following, anchor
     queue.num_free_blocks += len(blocks)
-    state.probation_last = anchor
+    return anchor
+
+
+def _evict_before_lru(state: CoordinatorState, queue: Any, blocks: list[Any]) -> None:
+    """Move freed passed ``blocks`` from their LRU place to the passed segment: behind the
+    uncached blocks and the probation segment (extra states nobody reused go first, and extras
+    may never take these blocks: :func:`_spare_for_extras` stops at them), before every block
+    vLLM keeps at its LRU place. Nothing moves while the pool has many uncached blocks free."""
+    blocks = [b for b in blocks if b.ref_cnt == 0 and b.prev_free_block is not None]
+    anchor = _segment_end(state, queue, blocks, passed=True) if blocks else None
+    if anchor is None:
+        return
+    for block in blocks:
+        state.passed[block.block_id] = block.block_hash
+    state.passed_last = _move_after(queue, anchor, blocks)
+
+
+def _in_front_segment(state: CoordinatorState, queue: Any, block: Any, passed: bool) -> bool:
+    """Whether ``block`` (the one before a segment's remembered end) is still in front of every
+    block at its LRU place: the queue's head, an uncached block, one on probation or (``passed``)
+    a passed one. A remembered end that was hit and freed again sits at the LRU end instead."""
+    return (block is queue.fake_free_list_head or block.block_hash is None
+            or _on_probation(state, block) or (passed and _on_passed(state, block)))
+
+
+def _on_passed(state: CoordinatorState, block: Any) -> bool:
+    return block.block_hash is not None and state.passed.get(block.block_id) == block.block_hash
 
 
 def _defer(state: CoordinatorState, queue: Any, blocks: list[Any]) -> None:

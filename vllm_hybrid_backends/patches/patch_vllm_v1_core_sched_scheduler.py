@@ -61,8 +61,10 @@
 - Resume states (``VLLM_HYBRID_RESUME_STATES``, issue 15 item 4): ``_preempt_request`` keeps
   a prefill's Mamba state at the last block boundary it computed before vLLM frees its blocks
   (:func:`patch_vllm_v1_core_kv_cache_coordinator.keep_resume_state`), so the request resumes
-  there; vLLM frees that state unhashed and the request recomputes from its first hit. Called
-  only on preemption; nothing on a scheduler step.
+  there; vLLM frees that state unhashed and the request recomputes from its first hit. The
+  passed state it resumed from keeps its LRU place too
+  (:func:`patch_vllm_v1_core_kv_cache_coordinator.keep_passed_in_place`). Called only on
+  preemption; nothing on a scheduler step.
 - Upstream: vLLM #54076 (chunk ends off the Mamba grid, open); the agentic miss is §4(a) of
   ``vllm_map.md``; junction checkpoints #37898 only help the third request.
 - vLLM versions: 0.23.x, 0.26.x, 0.30.x-0.33.x (the method's signature is checked when it
@@ -334,6 +336,7 @@ def _preempt_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
     coordinator = getattr(self.kv_cache_manager, "coordinator", None)
     if coordinator is not None and getattr(self.kv_cache_manager, "enable_caching", False):
         coordinator_patch.keep_resume_state(coordinator, request)
+        coordinator_patch.keep_passed_in_place(coordinator, request.request_id)
     return _ORIGINALS["_preempt_request"](self, request, *args, **kwargs)
 
 
