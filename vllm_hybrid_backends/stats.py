@@ -6,7 +6,9 @@ counts, in :data:`COUNTERS`:
 - ``kept``: Mamba states hashed (kept in the prefix cache) by kind: ``tail``, ``decode`` and ``far``
   (the plugin's extra states, :func:`vllm_hybrid_backends.align.retained_boundaries_by_kind`),
   ``resume`` (a preempted prefill's last boundary) and ``vllm`` (those vLLM keeps itself:
-  the prompt's replay boundary, junctions);
+  the prompt's replay boundary, junctions); ``passed``: a state of vLLM's that a later prompt
+  resumed from and went on past (``VLLM_HYBRID_PASSED_STATES``), counted again when it
+  becomes one (kept as ``vllm`` first); its reuse and eviction from then on count as ``passed``;
 - ``reused``: prefix hits that end on a kept state, by the state's kind;
 - ``evicted``: kept states that vLLM's block pool evicted, by kind;
 - ``missed_tokens``: per lookup, the tokens the attention groups held past the hit that the
@@ -28,7 +30,7 @@ from typing import Any
 
 STATS_ENV = "VLLM_HYBRID_STATS"
 #: Kinds of kept Mamba state.
-KINDS = ("vllm", "tail", "decode", "far", "resume")
+KINDS = ("vllm", "tail", "decode", "far", "resume", "passed")
 #: Reasons a lookup missed tokens the attention cache held (the replay's chunk reasons).
 MISS_REASONS = ("no_mamba_state_at_boundary", "evicted", "groups_disagreed", "other")
 #: Counter families: name -> (label, label values, help text).
@@ -85,6 +87,13 @@ def record_kept(kind: str, block: Any) -> None:
         return
     _kept[block.block_id] = (kind, block.block_hash)
     COUNTERS[key("kept", kind)] += 1
+
+
+def record_passed(block: Any) -> None:
+    """A kept state of vLLM's became a passed one (its later reuse and eviction count so)."""
+    if _kept.get(block.block_id, (None, None))[1] == block.block_hash:
+        _kept[block.block_id] = ("passed", block.block_hash)
+        COUNTERS[key("kept", "passed")] += 1
 
 
 def kind_of(block: Any) -> str | None:

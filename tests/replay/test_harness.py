@@ -932,19 +932,25 @@ def _conversations_trace(sessions: int = 16, turns: int = 5, siblings: int = 0) 
 @pytest.mark.parametrize("cache_tokens", [1600, 2000])
 def test_a_conversations_earlier_turn_states_go_before_the_states_its_next_turn_needs(
         monkeypatch, cache_tokens):
-    from vllm_hybrid_backends import align
+    from vllm_hybrid_backends import align, stats
 
     # Under pressure vLLM's LRU keeps every turn's state of a conversation; once the next turn
     # has gone past one, the cache holds the deeper one the turn after will need.
     config = _tiny(cache_tokens=cache_tokens)
-    hits = {}
+    monkeypatch.setenv(stats.STATS_ENV, "1")
+    hits, counters = {}, {}
     for name, policy, passed in (("upstream", "upstream", "1"), ("off", "plugin", "0"),
                                  ("on", "plugin", "1")):
         monkeypatch.setenv(align.PASSED_STATES_ENV, passed)
         run = run_replay(_conversations_trace(), config, get_policy(policy))
         assert run.mismatches == [] and run.blocks_leaked == 0
         hits[name] = sum(r.hit_tokens for r in run.requests.values())
+        counters[name] = dict(stats.COUNTERS)
     assert hits["on"] >= 1.25 * hits["off"] and hits["off"] >= hits["upstream"]
+    # the operator's counters show the rule at work: passed states, most evicted unused
+    assert "kept:passed" not in counters["off"]
+    assert counters["on"]["kept:passed"] >= align.RETENTION_WARMUP
+    assert counters["on"].get("evicted:passed", 0) > counters["on"].get("reused:passed", 0)
 
 
 def test_passed_states_that_forks_resume_from_keep_their_lru_place(monkeypatch):

@@ -723,6 +723,8 @@ def _pass_on_hit_state(coordinator: Any, request: Any) -> None:
     ledger = state.ledger
     if not ledger.pass_on(block.block_id, block.block_hash, len(group_blocks)):
         return
+    if stats.enabled:
+        stats.record_passed(block)
     if not ledger.on_probation(block.block_id, block.block_hash):
         return  # the kind keeps its LRU place for now: nothing to release
     if not state.kept_states:
