@@ -426,8 +426,9 @@ class RetentionLedger:
         self._states: dict[int, tuple[str, object, bool]] = {}  # block id -> (kind, hash, reused)
         #: state hash -> [kind, reused, block id], the newest :data:`RETENTION_MEMORY`
         self._remembered: collections.OrderedDict[object, list] = collections.OrderedDict()
-        #: hashes of states cached again where an earlier copy was reused (or would have been,
-        #: :meth:`record_lookup`), the newest :data:`RETENTION_MEMORY`: forks, never passed
+        #: hashes of states two requests resumed from (:meth:`record_hit`) or cached again where
+        #: an earlier copy was reused (or would have been, :meth:`record_lookup`), the newest
+        #: :data:`RETENTION_MEMORY`: forks, never passed
         self._forks: collections.OrderedDict[object, None] = collections.OrderedDict()
         #: block id -> (hash, requester) of the first prefix hit on the state there
         self._first_hit: dict[int, tuple[object, object]] = {}
@@ -467,16 +468,19 @@ class RetentionLedger:
             # vLLM's own state (or a passed one) at this kind's boundary of a later prompt
             # becomes the kind's, as before vLLM's were recorded (keeping it vLLM's measured
             # mixed: docs/results.md); the old kind's counts give it up
-            for kept, values, key in ((self.kept, self.value, entry[0]),
-                                      (self.family_kept, self.family_value, entry[0])):
-                kept[key] = max(0, kept.get(key, 0) - 1)
-                value = values.setdefault(key, [0.0, 0.0])
-                value[1] = max(0.0, value[1] - blocks)
+            self._give_up(entry[0], blocks)
         else:
             earlier = self._remembered.get(block_hash)
             if earlier is not None and earlier[1]:  # cached again where a copy was reused
                 self._add_fork(block_hash)
         self._count_kept(kind, block_id, block_hash, blocks)
+
+    def _give_up(self, kind: str, blocks: int) -> None:
+        """One state of ``kind`` and its ``blocks`` leave that kind's counts (it changed kind)."""
+        for kept, values in ((self.kept, self.value), (self.family_kept, self.family_value)):
+            kept[kind] = max(0, kept.get(kind, 0) - 1)
+            value = values.setdefault(kind, [0.0, 0.0])
+            value[1] = max(0.0, value[1] - blocks)
 
     def _add_fork(self, block_hash: object) -> None:
         forks = self._forks
@@ -495,9 +499,7 @@ class RetentionLedger:
             return False
         # its blocks move from vLLM's count to this kind's (vLLM's own states both: the value
         # rule's baseline adds them up, as before the state was passed)
-        self.kept[VLLM_KIND] = max(0, self.kept.get(VLLM_KIND, 0) - 1)
-        value = self.value.setdefault(VLLM_KIND, [0.0, 0.0])
-        value[1] = max(0.0, value[1] - blocks)
+        self._give_up(VLLM_KIND, blocks)
         self._count_kept(PASSED, block_id, block_hash, blocks)
         return True
 

@@ -552,13 +552,10 @@ def _record_kept_states(coordinator: Any, request: Any, policy: align.AlignPolic
                 state.ledger.record_kept(kind, block.block_id, block.block_hash, state_blocks)
                 if index < first_new:
                     continue
-                group_blocks = [m.req_to_blocks[request.request_id][index] for m in managers
-                                if m.block_size == size
-                                and index < len(m.req_to_blocks.get(request.request_id, ()))]
                 if not state.kept_states:
                     _watch_releases(coordinator)
                 state.kept_states.setdefault(request.request_id, {})[block.block_id] = (
-                    block, block.block_hash, [b for b in group_blocks if not b.is_null])
+                    block, block.block_hash, _state_blocks(managers, request.request_id, index))
 
 
 def _blocks_per_boundary(coordinator: Any, state: CoordinatorState) -> tuple[int, float]:
@@ -717,9 +714,8 @@ def _pass_on_hit_state(coordinator: Any, request: Any) -> None:
     block = blocks[hit - 1]
     if block.is_null or block.block_hash is None:
         return
-    group_blocks = [m.req_to_blocks[request_id][hit - 1] for m in managers
-                    if m.block_size == size and hit <= len(m.req_to_blocks.get(request_id, ()))]
-    group_blocks = [b for b in group_blocks if not b.is_null and b.block_hash is not None]
+    group_blocks = [b for b in _state_blocks(managers, request_id, hit - 1)
+                    if b.block_hash is not None]
     ledger = state.ledger
     if not ledger.pass_on(block.block_id, block.block_hash, len(group_blocks)):
         return
@@ -732,6 +728,14 @@ def _pass_on_hit_state(coordinator: Any, request: Any) -> None:
     state.passed_keys.add(block.block_id)
     state.kept_states.setdefault(request_id, {})[block.block_id] = (
         block, block.block_hash, group_blocks)
+
+
+def _state_blocks(managers: list[Any], request_id: str, index: int) -> list[Any]:
+    """The request's blocks at ``index`` in every Mamba group of the first one's block size
+    (the state there, one block per group), null blocks left out."""
+    size = managers[0].block_size
+    rows = [m.req_to_blocks.get(request_id, ()) for m in managers if m.block_size == size]
+    return [row[index] for row in rows if index < len(row) and not row[index].is_null]
 
 
 def keep_passed_in_place(coordinator: Any, request_id: str) -> None:
