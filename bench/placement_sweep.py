@@ -5,6 +5,7 @@
     python bench/placement_sweep.py --json --check       # exit 1 if a row breaks the rules
     python bench/placement_sweep.py --capacities 65536 --seeds 0,1,2,3   # each row per seed
     python bench/placement_sweep.py --prefix-match-unit 16   # sub-block hits, both policies
+    python bench/placement_sweep.py --time-scales 0.96,0.98,1,1.02,1.04   # mean over schedules
 
 Each row replays one workload on one model shape at one KV capacity (tokens) through vLLM's
 real scheduler, upstream and plugin (report.compare_policies, the same runs as `replay`).
@@ -19,6 +20,11 @@ hit rate counts a request's first admission only), with the mean ratio.
 (hits at N-token boundaries; N must divide every shape's blocks: 16 divides 544 and 1040),
 and both policies once more at the block (``*_block``, ``*_at_unit``): ``upstream`` and
 ``plugin`` are then each policy at its better unit of the two; the bound and ideal are at N.
+``--time-scales`` replays each row with its arrival times (and follow-up delays) scaled by each
+factor, as ``replay --time-scale`` does: in a pool that preempts, a 2% change in timing moves
+which request finds its prefix cached, for upstream as much as for the plugin, so one schedule
+cannot tell a loss from luck. The row's rates are then each policy's mean over the factors
+(``by_time_scale`` has each), its counts the sums, and ``--check`` compares the means.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 DEFAULT_WORKLOADS = ("agentic", "chat", "branching", "rag", "production")
@@ -36,39 +43,53 @@ DEFAULT_CAPACITIES = (65_536, 131_072, 262_144, 2_000_000)
 
 
 def sweep_row(workload: str, shape: str, cache_tokens: int, seed: int = 0,
-              prefix_match_unit: int | None = None) -> dict[str, Any]:
+              prefix_match_unit: int | None = None,
+              time_scales: Sequence[float] = (1.0,)) -> dict[str, Any]:
+    """One row; with several ``time_scales`` each policy's rates are its mean over the
+    workload replayed with its arrival times scaled by each, and counts are summed."""
     from vllm_hybrid_backends.replay.harness import ReplayConfig
-    from vllm_hybrid_backends.replay.report import compare_policies
-    from vllm_hybrid_backends.replay.workloads import make_workload
+    from vllm_hybrid_backends.replay.workloads import make_workload, scale_arrivals
 
     config = ReplayConfig(model_shape=shape, cache_tokens=cache_tokens,
                           prefix_match_unit=prefix_match_unit)
     trace = make_workload(workload, block_size=config.layout().block_size, seed=seed)
     started = time.perf_counter()
+    runs = [_replay_row(scale_arrivals(trace, scale), config) for scale in time_scales]
+    row = {"workload": workload, "model_shape": shape, "cache_tokens": cache_tokens,
+           "seed": seed, **_combine(runs)}
+    if list(time_scales) != [1.0]:
+        row["time_scales"] = list(time_scales)
+        row["by_time_scale"] = [{"time_scale": scale, "upstream": run["upstream"],
+                                 "plugin": run["plugin"]}
+                                for scale, run in zip(time_scales, runs, strict=True)]
+        row["below_on_time_scales"] = sum(run["plugin"] < run["upstream"] for run in runs)
+    row["wall_s"] = round(time.perf_counter() - started, 1)
+    return row
+
+
+def _replay_row(trace: Any, config: Any) -> dict[str, Any]:
+    from vllm_hybrid_backends.replay.harness import ReplayConfig
+    from vllm_hybrid_backends.replay.report import compare_policies
+
     report = compare_policies(trace, config, ["upstream", "plugin"])
     up, plug = report.policies["upstream"], report.policies["plugin"]
-    upstream, plugin = round(up.token_hit_rate, 4), round(plug.token_hit_rate, 4)
+    upstream, plugin = up.token_hit_rate, plug.token_hit_rate
     at_unit: dict[str, Any] = {}
     runs = [up, plug]
-    if prefix_match_unit is not None:
-        block = compare_policies(trace, ReplayConfig(model_shape=shape, cache_tokens=cache_tokens),
-                                 ["upstream", "plugin"]).policies
-        at_unit = {"prefix_match_unit": prefix_match_unit, "upstream_at_unit": upstream,
+    if config.prefix_match_unit is not None:
+        at_block = ReplayConfig(model_shape=config.model_shape, cache_tokens=config.cache_tokens)
+        block = compare_policies(trace, at_block, ["upstream", "plugin"]).policies
+        at_unit = {"prefix_match_unit": config.prefix_match_unit, "upstream_at_unit": upstream,
                    "plugin_at_unit": plugin,
-                   "upstream_block": round(block["upstream"].token_hit_rate, 4),
-                   "plugin_block": round(block["plugin"].token_hit_rate, 4)}
+                   "upstream_block": block["upstream"].token_hit_rate,
+                   "plugin_block": block["plugin"].token_hit_rate}
         upstream = max(upstream, at_unit["upstream_block"])
         plugin = max(plugin, at_unit["plugin_block"])
         runs += block.values()
     return {
-        "workload": workload, "model_shape": shape, "cache_tokens": cache_tokens, "seed": seed,
         "block_size": report.block_size, "num_blocks": report.num_blocks, **at_unit,
         "upstream": upstream, "plugin": plugin,
-        "bound": round(plug.bound_hit_rate, 4), "ideal": round(plug.ideal_hit_rate, 4),
-        "plugin_over_bound": round(plugin / plug.bound_hit_rate, 4)
-        if plug.bound_hit_rate else None,
-        "upstream_over_bound": round(upstream / plug.bound_hit_rate, 4)
-        if plug.bound_hit_rate else None,
+        "bound": plug.bound_hit_rate, "ideal": plug.ideal_hit_rate,
         "preemptions": {"upstream": up.preemptions, "plugin": plug.preemptions},
         # the work the cache left: prompt tokens computed, recomputation after preemption in
         "prefill_tokens_computed": {"upstream": up.prefill_tokens_computed,
@@ -81,8 +102,32 @@ def sweep_row(workload: str, shape: str, cache_tokens: int, seed: int = 0,
         "requests_versus_upstream": plug.versus_first,
         "state_mismatches": sum(run.state_mismatches for run in runs),
         "blocks_leaked": sum(run.blocks_leaked for run in runs),
-        "wall_s": round(time.perf_counter() - started, 1),
     }
+
+
+#: Row fields that are hit rates (averaged over time scales); the rest of the numbers are counts.
+RATE_FIELDS = ("upstream", "plugin", "bound", "ideal", "upstream_at_unit", "plugin_at_unit",
+               "upstream_block", "plugin_block")
+
+
+def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs of one row at several time scales as one: rates averaged, counts summed."""
+    row: dict[str, Any] = {}
+    for key, first in runs[0].items():
+        values = [run[key] for run in runs]
+        if key in RATE_FIELDS:
+            row[key] = round(sum(values) / len(values), 4)
+        elif key in ("block_size", "num_blocks", "prefix_match_unit") or first is None:
+            row[key] = first
+        elif isinstance(first, dict):
+            row[key] = {k: v if isinstance(v, str) else sum(run[key][k] for run in runs)
+                        for k, v in first.items()}
+        else:
+            row[key] = sum(values)
+    bound = row["bound"]
+    row["plugin_over_bound"] = round(row["plugin"] / bound, 4) if bound else None
+    row["upstream_over_bound"] = round(row["upstream"] / bound, 4) if bound else None
+    return row
 
 
 def row_problems(row: dict[str, Any]) -> list[str]:
@@ -116,6 +161,20 @@ def _int_list(minimum: int, what: str) -> Any:
         return values
 
     return parse
+
+
+def _time_scales(text: str) -> list[float]:
+    """An argparse type: comma-separated arrival-time factors, each a finite number > 0."""
+    values = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            value = 0.0
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{part!r}: a time scale is a finite number > 0")
+        values.append(value)
+    return values
 
 
 def seed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -156,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                         default=None, metavar="N",
                         help="vLLM's prefix_match_unit for both policies (each also at the "
                              "block; the better of the two is its row)")
+    parser.add_argument("--time-scales", type=_time_scales, default=[1.0], metavar="X,Y,...",
+                        help="replay each row with its arrival times scaled by each factor "
+                             "(replay --time-scale) and compare the policies' mean hit rates")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if plugin < upstream, a state mismatch or a leak occurs")
@@ -178,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in shapes:
             for capacity in args.capacities:
                 for seed in args.seeds:
-                    row = sweep_row(workload, shape, capacity, seed, unit)
+                    row = sweep_row(workload, shape, capacity, seed, unit, args.time_scales)
                     rows.append(row)
                     problems = row_problems(row)
                     if problems:
@@ -188,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"  upstream {row['upstream']:.4f}"
                           f"  plugin {row['plugin']:.4f}  bound {row['bound']:.4f}"
                           f"  ideal {row['ideal']:.4f}  preempt {row['preemptions']['plugin']}"
+                          + (f"  below on {row['below_on_time_scales']} of "
+                             f"{len(args.time_scales)} time scales"
+                             if "time_scales" in row else "") +
                           f"  {row['wall_s']}s{'  ' + '; '.join(problems) if problems else ''}",
                           file=sys.stderr, flush=True)
     if len(args.seeds) > 1:

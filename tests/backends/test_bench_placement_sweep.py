@@ -49,3 +49,26 @@ def test_one_prefix_match_unit_is_taken():
                           capture_output=True, text=True, check=False, timeout=120)
     assert proc.returncode == 2
     assert "--prefix-match-unit takes one unit, got [16, 32]" in proc.stderr, proc.stderr
+
+
+def test_a_bad_time_scale_is_refused_naming_it():
+    proc = subprocess.run([sys.executable, str(BENCH), "--time-scales", "1,0"],
+                          capture_output=True, text=True, check=False, timeout=120)
+    assert proc.returncode == 2
+    assert "'0': a time scale is a finite number > 0" in proc.stderr, proc.stderr
+
+
+def test_runs_at_several_time_scales_average_rates_and_sum_counts():
+    def run(upstream, plugin, bound, preempted, mismatches, fewer):
+        return {"block_size": 1040, "num_blocks": 64, "upstream": upstream, "plugin": plugin,
+                "bound": bound, "ideal": 0.5, "preemptions": {"upstream": preempted, "plugin": 1},
+                "requests_versus_upstream": {"against": "upstream", "requests_fewer": fewer},
+                "state_mismatches": mismatches, "blocks_leaked": 0}
+
+    row = _module()._combine([run(0.30, 0.25, 0.40, 5, 0, 3), run(0.10, 0.20, 0.20, 7, 2, 0)])
+    assert (row["upstream"], row["plugin"], row["bound"], row["ideal"]) == (0.2, 0.225, 0.3, 0.5)
+    assert row["plugin_over_bound"] == 0.75 and row["upstream_over_bound"] == 0.6667
+    assert row["preemptions"] == {"upstream": 12, "plugin": 2}
+    assert row["requests_versus_upstream"] == {"against": "upstream", "requests_fewer": 3}
+    assert (row["state_mismatches"], row["blocks_leaked"]) == (2, 0)
+    assert (row["block_size"], row["num_blocks"]) == (1040, 64)

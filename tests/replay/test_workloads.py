@@ -15,6 +15,7 @@ from vllm_hybrid_backends.replay.workloads import (
     TraceError,
     load_trace,
     make_workload,
+    scale_arrivals,
     write_trace,
 )
 
@@ -205,6 +206,23 @@ def test_time_scale_and_limit(tmp_path):
         load_trace(path, time_scale=0)
     with pytest.raises(ValueError, match="limit must be an integer >= 1, got 0"):
         load_trace(path, limit=0)
+
+
+def test_scale_arrivals_scales_arrivals_and_follow_up_delays_only():
+    trace = make_workload("agentic", block_size=BLOCK, seed=1)
+    scaled = scale_arrivals(trace, 1.25)
+    followers = [r for r in trace.requests if r.after is not None]
+    assert followers and any(r.arrival_s > 0 for r in followers)  # delays are scaled too
+    for before, after in zip(trace.requests, scaled.requests, strict=True):
+        assert after.arrival_s == before.arrival_s * 1.25
+        assert (after.id, after.after, after.prompt_token_ids, after.output_token_ids) == (
+            before.id, before.after, before.prompt_token_ids, before.output_token_ids)
+    assert scaled.params["time_scale"] == 1.25 and "time_scale" not in trace.params
+    assert scale_arrivals(scaled, 2.0).params["time_scale"] == 2.5
+    assert scale_arrivals(trace, 1.0) is trace
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="time_scale must be a number > 0, got"):
+            scale_arrivals(trace, bad)
 
 
 @pytest.mark.parametrize(("line", "message"), [

@@ -45,7 +45,8 @@ def add_parser(commands: Any) -> None:
                         help="unit of a hash-block trace's timestamps (default: s for "
                              "Qwen-Bailian lines, which carry parent_chat_id; else ms)")
     parser.add_argument("--time-scale", type=float, metavar="X", default=1.0,
-                        help="multiply the trace's arrival times by X (2 = half the rate)")
+                        help="multiply the arrival times (of the trace or workload) by X "
+                             "(2 = half the rate)")
     parser.add_argument("--limit", type=int, metavar="N",
                         help="replay only the trace's first N requests")
     parser.add_argument("--model-shape", metavar="NAME|PATH", default="qwen3.5-0.8b",
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         sweep_prefix_match_units,
         sweep_units,
     )
-    from .workloads import TraceError, load_trace, make_workload
+    from .workloads import TraceError, load_trace, make_workload, scale_arrivals
 
     for name, value in (("--block-size", args.block_size), ("--cache-tokens", args.cache_tokens),
                         ("--timing-repeats", args.timing_repeats),
@@ -136,9 +137,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     if not args.trace and (args.hash_block_size is not None or args.limit is not None
-                           or args.time_scale != 1.0 or args.timestamp_unit is not None):
-        print("error: --hash-block-size, --timestamp-unit, --time-scale and --limit apply to "
-              "--trace only", file=sys.stderr)
+                           or args.timestamp_unit is not None):
+        print("error: --hash-block-size, --timestamp-unit and --limit apply to --trace only",
+              file=sys.stderr)
         return 2
     tier = args.kv_offloading_size
     if tier is not None:
@@ -182,7 +183,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                                timestamp_unit=args.timestamp_unit, time_scale=args.time_scale,
                                limit=args.limit)
         else:
-            trace = make_workload(args.workload or "agentic", block_size=config.layout().block_size)
+            trace = scale_arrivals(make_workload(args.workload or "agentic",
+                                                 block_size=config.layout().block_size),
+                                   args.time_scale)
     except (TraceError, ReplayError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -67,6 +67,7 @@ __all__ = [
     "infer_hash_block_size",
     "load_trace",
     "make_workload",
+    "scale_arrivals",
     "write_trace",
 ]
 
@@ -445,6 +446,24 @@ def make_workload(name: str, *, block_size: int, seed: int = 0, **params: Any) -
     return generator(block_size, seed, **params)
 
 
+def _check_time_scale(time_scale: Any) -> None:
+    if (isinstance(time_scale, bool) or not isinstance(time_scale, (int, float))
+            or not math.isfinite(time_scale) or time_scale <= 0):
+        raise ValueError(f"time_scale must be a number > 0, got {time_scale!r}")
+
+
+def scale_arrivals(trace: Trace, time_scale: float) -> Trace:
+    """``trace`` with every arrival time (and follow-up delay) multiplied by ``time_scale``
+    (2.0 = half the request rate); the trace itself when it is 1."""
+    _check_time_scale(time_scale)
+    if time_scale == 1.0:
+        return trace
+    requests = [dataclasses.replace(r, arrival_s=r.arrival_s * time_scale) for r in trace.requests]
+    params = dict(trace.params)
+    params["time_scale"] = params.get("time_scale", 1.0) * time_scale
+    return Trace(trace.name, requests, trace.description, params)
+
+
 # ---- user traces ---------------------------------------------------------------------------------
 
 
@@ -638,8 +657,7 @@ def load_trace(path: str | Path, *, hash_block_size: int | None = None,
     if timestamp_unit is not None and timestamp_unit not in TIMESTAMP_UNITS:
         raise ValueError(f"timestamp_unit must be one of {', '.join(TIMESTAMP_UNITS)}, got "
                          f"{timestamp_unit!r}")
-    if not isinstance(time_scale, (int, float)) or not math.isfinite(time_scale) or time_scale <= 0:
-        raise ValueError(f"time_scale must be a number > 0, got {time_scale!r}")
+    _check_time_scale(time_scale)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be an integer >= 1, got {limit!r}")
     path = Path(path)
@@ -675,8 +693,6 @@ def load_trace(path: str | Path, *, hash_block_size: int | None = None,
                         request = parse_trace_line(obj, seen)
                 except ValueError as exc:
                     raise TraceError(f"{path}:{number}: {exc}") from None
-                if time_scale != 1.0:
-                    request = dataclasses.replace(request, arrival_s=request.arrival_s * time_scale)
                 seen.add(request.id)
                 requests.append(request)
     except (OSError, EOFError, UnicodeDecodeError) as exc:
@@ -687,11 +703,9 @@ def load_trace(path: str | Path, *, hash_block_size: int | None = None,
     if hash_blocks:
         params["hash_block_size"] = hash_blocks.unit
         params["timestamp_unit"] = hash_blocks.timestamp_unit
-    if time_scale != 1.0:
-        params["time_scale"] = time_scale
     if limit is not None:
         params["limit"] = limit
-    return Trace(path.name, requests, f"user trace {path}", params)
+    return scale_arrivals(Trace(path.name, requests, f"user trace {path}", params), time_scale)
 
 
 def write_trace(trace: Trace, path: str | Path) -> None:
