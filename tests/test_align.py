@@ -3,6 +3,7 @@ them into vLLM."""
 
 from __future__ import annotations
 
+import json
 import types
 import zlib
 
@@ -421,6 +422,30 @@ def test_ledger_learns_reuse_per_kind_and_keeps_a_requests_decision():
     assert ledger.proven("decode") and not ledger.on_probation(10, ("h", 10))
     ledger.forget_request(refused[0])
     assert ledger.admits("decode", refused[0])  # decided afresh, now with reuse on record
+
+
+def test_the_ledger_snapshot_reports_counts_savings_and_proven_kinds():
+    ledger = align.RetentionLedger()
+    for block in range(align.RETENTION_WARMUP):
+        ledger.record_kept("tail-2", block, ("t", block), blocks=6)
+    ledger.record_kept("decode", 100, ("d", 0), blocks=6)
+    ledger.record_kept(align.VLLM_KIND, 200, ("v", 0), blocks=6)
+    ledger.record_held(10)
+    ledger.record_hit(0, ("t", 0), tokens=3000)
+    ledger.record_hit(0, ("t", 0), tokens=3000)  # reused once only
+    ledger.record_lookup(hit=3000, lost=520)
+    snap = ledger.snapshot()
+    tail = snap["kinds"]["tail-2"]
+    assert (tail["kept"], tail["reused"], tail["saved_tokens"], tail["blocks_held"]) == (
+        align.RETENTION_WARMUP, 1, 3000.0, 6.0 * align.RETENTION_WARMUP)
+    assert tail["saved_per_block"] == round(3000 / (6 * align.RETENTION_WARMUP), 1)
+    assert tail["proven"] and not snap["kinds"]["decode"]["proven"]
+    assert snap["kinds"]["decode"]["saved_per_block"] == 0.0
+    assert snap["kinds"][align.VLLM_KIND]["blocks_held"] == 16.0  # its state and attention
+    assert snap["families"]["tail"]["kept"] == align.RETENTION_WARMUP
+    assert snap["lookups"] == {"count": 1.0, "hit_tokens": 3000.0, "lost_tokens": 520.0}
+    assert snap["capacity_bound"] is True  # too few lookups to say otherwise
+    json.dumps(snap)  # plain data
 
 
 def test_window_halves_the_counts():

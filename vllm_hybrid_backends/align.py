@@ -98,7 +98,7 @@ import os
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -627,6 +627,33 @@ class RetentionLedger:
 
     def forget_request(self, request_id: str) -> None:
         self._decisions.pop(request_id, None)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the ledger holds now, as plain data (``replay --json``): per kind and per family
+        the states kept and reused, the prompt tokens their hits saved (or would have), the
+        blocks they held and the tokens per block; the prefix lookups' hit and lost tokens.
+        Counts are halved each time a kind passes :data:`RETENTION_WINDOW` kept states, so
+        they weigh recent states; ``proven`` says which kinds hold ordinary LRU places now."""
+
+        def rows(kept: dict[str, int], reused: dict[str, int],
+                 values: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
+            out = {}
+            for key in sorted(set(kept) | set(values)):
+                saved, blocks = values.get(key, [0.0, 0.0])
+                out[key] = {"kept": kept.get(key, 0), "reused": reused.get(key, 0),
+                            "saved_tokens": round(saved, 1), "blocks_held": round(blocks, 1),
+                            "saved_per_block": round(saved / blocks, 1) if blocks else None}
+            return out
+
+        kinds = rows(self.kept, self.reused, self.value)
+        for kind, row in kinds.items():
+            row["proven"] = kind not in (VLLM_KIND, PASSED) and self.proven(kind)
+        hit, lost, looked = self.lookups
+        return {"kinds": kinds,
+                "families": rows(self.family_kept, self.family_reused, self.family_value),
+                "lookups": {"count": round(looked, 1), "hit_tokens": round(hit, 1),
+                            "lost_tokens": round(lost, 1)},
+                "capacity_bound": self.capacity_bound(), "value_rule": self.compares_value}
 
 
 def chunk_end(

@@ -221,6 +221,13 @@ def test_the_report_counts_requests_hitting_more_and_less_than_the_first_policy(
     report = compare_policies(trace, config, ["upstream", "plugin"])
     upstream, plugin = report.policies["upstream"], report.policies["plugin"]
     assert upstream.versus_first is None
+    # the plugin's ledger comes with it (agentic retries reuse tail states)
+    assert upstream.retention_ledger is None
+    kinds = plugin.retention_ledger["kinds"]
+    assert all(row["reused"] <= row["kept"] for row in kinds.values())
+    tails = plugin.retention_ledger["families"]["tail"]
+    assert tails["reused"] > 0 and tails["saved_tokens"] > 0
+    assert any(row["proven"] for kind, row in kinds.items() if kind.startswith("tail-"))
     versus = plugin.versus_first
     assert versus is not None and versus["against"] == "upstream"
     # the per-request sums agree with the two hit rates, computed from the runs separately

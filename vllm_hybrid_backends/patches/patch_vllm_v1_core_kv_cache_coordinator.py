@@ -239,6 +239,11 @@ def state_of(coordinator: Any) -> CoordinatorState:
         return state
 
 
+def existing_state(coordinator: Any) -> CoordinatorState | None:
+    """The patch's state for ``coordinator`` if the patched code ever used it, else None."""
+    return getattr(coordinator, "_hybrid_state", None)
+
+
 def _module() -> Any:
     return importlib.import_module(TARGET_MODULE)
 

@@ -175,6 +175,8 @@ class RunResult:
     wall_s: float = 0.0
     #: With the CPU tier: :meth:`.offload.TierStats.to_json`.
     offload: dict[str, Any] | None = None
+    #: Under the plugin: its retention ledger at the end (:meth:`.align.RetentionLedger.snapshot`).
+    retention_ledger: dict[str, Any] | None = None
 
     @property
     def sched_step_us_median(self) -> float:
@@ -640,6 +642,11 @@ class _Run:
             result.mismatches += self.tier.mismatches
             self.tier.stats.pinned_chunks_at_end = self.tier.pinned_chunks()
             result.offload = self.tier.stats.to_json()
+        from ..patches.patch_vllm_v1_core_kv_cache_coordinator import existing_state
+
+        hybrid_state = existing_state(sched.kv_cache_manager.coordinator)
+        if hybrid_state is not None:
+            result.retention_ledger = hybrid_state.ledger.snapshot()
         pool = sched.kv_cache_manager.block_pool
         result.blocks_leaked = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
         result.wall_s = time.perf_counter() - started

@@ -146,6 +146,8 @@ class PolicyMetrics:
     #: Against the first policy of the comparison (:func:`request_differences`): how many
     #: requests hit more / fewer prompt tokens at first admission, and how many tokens.
     versus_first: dict[str, Any] | None = None
+    #: The plugin's retention ledger at the end of the run (None under upstream).
+    retention_ledger: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in vars(self).items()}
@@ -202,6 +204,7 @@ def policy_metrics(trace: Trace, hybrid: RunResult, bound: RunResult) -> PolicyM
         external_hit_rate=sum(r.external_tokens for r in hybrid.requests.values())
         / prompt_tokens,
         offload=hybrid.offload,
+        retention_ledger=hybrid.retention_ledger,
     )
 
 
