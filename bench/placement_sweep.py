@@ -59,8 +59,8 @@ def sweep_row(workload: str, shape: str, cache_tokens: int, seed: int = 0,
            "seed": seed, **_combine(runs)}
     if list(time_scales) != [1.0]:
         row["time_scales"] = list(time_scales)
-        row["by_time_scale"] = [{"time_scale": scale, "upstream": run["upstream"],
-                                 "plugin": run["plugin"]}
+        row["by_time_scale"] = [{"time_scale": scale, "upstream": round(run["upstream"], 4),
+                                 "plugin": round(run["plugin"], 4)}
                                 for scale, run in zip(time_scales, runs, strict=True)]
         row["below_on_time_scales"] = sum(run["plugin"] < run["upstream"] for run in runs)
     row["wall_s"] = round(time.perf_counter() - started, 1)
