@@ -319,3 +319,25 @@ def test_a_copy_with_more_keys_stays(monkeypatch):
     pool.free_blocks([old])
     cache(new, key, 0)
     assert (old.block_hash is not None) == hasattr(pool, "cached_block_hashes_by_block")
+
+
+def test_the_ledger_counts_the_cached_blocks_vllm_evicts_not_their_siblings():
+    """The eviction price's denominator (``_count_evicted_blocks``, wrapped outside coherent
+    eviction): each cached block vLLM's allocation evicts counts once; uncached blocks and the
+    state blocks coherent eviction takes along do not."""
+    pool, cache, coordinator = _pool_with_two_mamba_groups()
+    state = coordinator_patch.CoordinatorState()
+    coordinator_patch._count_evicted_blocks(pool, state)
+    key, other = b"k" * 32, b"o" * 32
+    attention, state_1, state_2, lone = pool.get_new_blocks(4)
+    for block, block_hash, group in ((attention, key, 0), (state_1, key, 1), (state_2, key, 2),
+                                     (lone, other, 0)):
+        cache(block, block_hash, group)
+    pool.free_blocks([state_1, state_2, attention, lone])
+    uncached = pool.get_num_free_blocks() - 4
+    pool.get_new_blocks(uncached)
+    assert state.ledger.evicted_blocks == 0
+    pool.get_new_blocks(1)  # evicts `state_1`; coherent eviction takes `state_2` along
+    assert state_2.block_hash is None and state.ledger.evicted_blocks == 1
+    pool.get_new_blocks(2)  # `state_2` (now uncached), then `attention`
+    assert attention.block_hash is None and state.ledger.evicted_blocks == 2
