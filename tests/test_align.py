@@ -559,6 +559,12 @@ def test_the_eviction_price_waits_for_pressure_and_samples():
     assert not roomy.capacity_bound() and roomy.pays_under_pressure("tail-1")
     assert roomy.snapshot()["eviction_price"] == 60.0
     assert align.RetentionLedger().eviction_price() is None
+    # past the window both counts halve: the price keeps, the next evictions weigh more
+    roomy.record_evicted(align.PRICE_WINDOW - 64)
+    assert roomy.evicted_blocks == align.PRICE_WINDOW and roomy.eviction_price() < 60
+    roomy.record_evicted()
+    assert roomy.evicted_blocks == (align.PRICE_WINDOW + 1) / 2
+    assert roomy.lost_first == 64 * 60 / 2
 
 
 def test_a_hit_an_evicted_state_would_have_given_counts_toward_value_not_reuse():

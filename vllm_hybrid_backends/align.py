@@ -376,6 +376,10 @@ VALUE_MIN_SAMPLES = 64
 VALUE_MAX_LOST = 4
 #: How many states the ledger remembers by hash, after their blocks are gone too.
 RETENTION_MEMORY = 65536
+#: The eviction price's counts are halved past this many evicted blocks: over a replay (a few
+#: thousand) it is the whole run's; a server's follows its traffic. (Halved with the lookups'
+#: window instead, it followed a run's later, dearer evictions: docs/results.md.)
+PRICE_WINDOW = 16384
 #: How many requests' first prefix lookups the ledger tells from their retries (a request
 #: waiting for blocks looks up again each step).
 LOOKERS_MEMORY = 4096
@@ -428,8 +432,8 @@ class RetentionLedger:
         #: prompt tokens the prefix lookups hit, and lost to evicted prefixes; lookups (windowed)
         self.lookups: list[float] = [0.0, 0.0, 0.0]
         #: prompt tokens lost to evicted prefixes (each request's first lookup only) and cached
-        #: blocks the pool evicted, over the whole run: what an evicted block was worth
-        #: (:meth:`pays_under_pressure`)
+        #: blocks the pool evicted (halved past :data:`PRICE_WINDOW`): what an evicted block
+        #: was worth (:meth:`eviction_price`, :meth:`pays_under_pressure`)
         self.lost_first = 0.0
         self.evicted_blocks = 0.0
         #: id -> the requests' block-hash lists already looked up, the newest
@@ -617,10 +621,13 @@ class RetentionLedger:
     def record_evicted(self, blocks: int = 1) -> None:
         """The pool evicted ``blocks`` cached blocks (any group) to reuse them."""
         self.evicted_blocks += blocks
+        if self.evicted_blocks > PRICE_WINDOW:  # a long-running server's traffic changes
+            self.evicted_blocks /= 2
+            self.lost_first /= 2
 
     def eviction_price(self) -> float | None:
         """Prompt tokens each request's first lookup lost to evicted prefixes, per cached block
-        the pool evicted, over the run; None before any eviction."""
+        the pool evicted (the last :data:`PRICE_WINDOW` or so); None before any eviction."""
         return self.lost_first / self.evicted_blocks if self.evicted_blocks else None
 
     def pays_under_pressure(self, key: str, family: bool = False) -> bool:
