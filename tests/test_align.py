@@ -541,13 +541,25 @@ def test_under_pressure_a_reused_kind_must_save_what_an_evicted_block_was_worth(
     refused = [r for r in (f"r{i}" for i in range(64)) if not dear.admits("tail-1", r)]
     assert len(refused) >= 56  # only the explorers keep them
     assert dear.on_probation(1000 + kept - 1, ("t", 1000 + kept - 1))  # never reused
-    assert dear.pays_under_pressure(align.VLLM_KIND)  # vLLM's own are never refused
-    # the family pays too: a proven distance whose family does not is refused
-    dear.family_value["tail"] = [1.0, 1000.0]
-    assert not dear.pays_under_pressure("tail", family=True)
+    assert dear.pays_under_pressure(align.VLLM_KIND) and dear.pays_under_pressure(align.PASSED)
+    even = _pressed_ledger(lost_first=64 * 50, evicted=64)  # exactly what the tails save
+    _keep_tail_states(even, kept, kept // 4, 1200)
+    assert even.pays_under_pressure("tail-1")
+    young = _pressed_ledger(lost_first=64 * 60, evicted=64)
+    _keep_tail_states(young, align.RETENTION_WARMUP - 1, 2, 1200)
+    assert young.pays_under_pressure("tail-1")  # too few states to judge
+    # the family pays too: a distance that pays is refused while its family does not
+    mixed = _pressed_ledger(lost_first=64 * 60, evicted=64)
+    _keep_tail_states(mixed, kept, kept // 4, 1200)
+    for block in range(3000, 3000 + kept):  # another distance, never reused
+        mixed.record_kept("tail-2", block, ("u", block), blocks=6)
+    mixed.value["tail-1"] = [70.0 * 6 * kept, 6.0 * kept]  # tail-1 alone: 70 a block
+    assert mixed.pays_under_pressure("tail-1")
+    assert not mixed.pays_under_pressure("tail", family=True)
+    assert not any(mixed.admits("tail-1", f"q{i}") for i in range(64) if not align.explores(f"q{i}"))
 
 
-def test_the_eviction_price_waits_for_pressure_and_samples():
+def test_the_eviction_price_waits_for_pressure_and_samples_and_follows_the_traffic():
     kept = align.VALUE_MIN_SAMPLES
     few = _pressed_ledger(lost_first=64 * 60, evicted=align.VALUE_MIN_SAMPLES - 1)
     _keep_tail_states(few, kept, kept // 4, 1200)

@@ -416,7 +416,10 @@ class RetentionLedger:
     A kind is admitted when one state in :data:`RETENTION_MIN_REUSE` is reused or, with
     ``compares_value``, when its states save as many prompt tokens per block held as vLLM's own
     blocks do (:meth:`earns_blocks`): on traffic where most prompts never come back, no kind
-    reaches one in eight, vLLM's own states included.
+    reaches one in eight, vLLM's own states included. Under pressure (lookups lose to eviction
+    more than a quarter of what they hit) reuse alone no longer admits a kind: its states must
+    also save, per block, what an evicted block was worth (:meth:`pays_under_pressure`): where
+    most requests find their prefix evicted, a block an extra state holds is one a prefix lost.
     """
 
     def __init__(self) -> None:
@@ -429,15 +432,16 @@ class RetentionLedger:
         #: the :data:`VLLM_KIND` entry counts vLLM's attention blocks too
         self.value: dict[str, list[float]] = {}
         self.family_value: dict[str, list[float]] = {}
-        #: prompt tokens the prefix lookups hit, and lost to evicted prefixes; lookups (windowed)
+        #: prompt tokens the prefix lookups hit, and lost to evicted prefixes; lookups (halved
+        #: past :data:`RETENTION_WINDOW` lookups)
         self.lookups: list[float] = [0.0, 0.0, 0.0]
         #: prompt tokens lost to evicted prefixes (each request's first lookup only) and cached
         #: blocks the pool evicted (halved past :data:`PRICE_WINDOW`): what an evicted block
         #: was worth (:meth:`eviction_price`, :meth:`pays_under_pressure`)
         self.lost_first = 0.0
         self.evicted_blocks = 0.0
-        #: id -> the requests' block-hash lists already looked up, the newest
-        #: :data:`LOOKERS_MEMORY` (held, so no later list reuses an id while remembered)
+        #: id of a request's block-hash list -> its first hash (a later list that reuses the
+        #: id has another), for the :data:`LOOKERS_MEMORY` requests that looked up last
         self._lookers: collections.OrderedDict[int, object] = collections.OrderedDict()
         #: whether the value rule applies (``AlignPolicy.value_retention``)
         self.compares_value = True
@@ -579,19 +583,18 @@ class RetentionLedger:
         return block_hash in self._remembered
 
     def record_lookup(self, hit: int, lost: int, missed: object = None, at: int = 0,
-                      requester: object = None) -> None:
+                      requester: Sequence[object] | None = None) -> None:
         """A prefix lookup hit ``hit`` tokens and lost ``lost`` more to evicted attention
         blocks; ``missed``: the hash of a remembered state, never reused, whose attention
-        prefix (``at`` tokens) was still cached: it would have saved them, had it been kept."""
+        prefix (``at`` tokens) was still cached: it would have saved them, had it been kept.
+        ``requester``: the request's block-hash list; only its first lookup's ``lost`` goes
+        into the eviction price (a request waiting for blocks looks up again each step)."""
         looked = self.lookups
         looked[0] += hit
         looked[1] += lost
         looked[2] += 1
-        if requester is not None and id(requester) not in self._lookers:
-            self._lookers[id(requester)] = requester
-            if len(self._lookers) > LOOKERS_MEMORY:
-                self._lookers.popitem(last=False)
-            self.lost_first += lost
+        if requester is not None:
+            self._count_first_lookup(requester, lost)
         if looked[2] > RETENTION_WINDOW:
             looked[:] = [looked[0] / 2, looked[1] / 2, looked[2] / 2]
         remembered = self._remembered.get(missed) if missed is not None else None
@@ -601,6 +604,18 @@ class RetentionLedger:
             if entry is not None and entry[1] == missed:
                 self._states[remembered[2]] = (entry[0], missed, True)
             self._count_saving(remembered[0], at)
+
+    def _count_first_lookup(self, requester: Sequence[object], lost: int) -> None:
+        key, first = id(requester), requester[0] if requester else None
+        lookers = self._lookers
+        if key in lookers and lookers[key] is first:
+            lookers.move_to_end(key)
+            return
+        lookers[key] = first
+        lookers.move_to_end(key)
+        if len(lookers) > LOOKERS_MEMORY:
+            lookers.popitem(last=False)
+        self.lost_first += lost
 
     def _count_saving(self, kind: str, tokens: int) -> None:
         self.value.setdefault(kind, [0.0, 0.0])[0] += tokens
@@ -634,8 +649,10 @@ class RetentionLedger:
         """Whether the kind (or family) ``key`` may keep its states at an LRU place on its
         reuse count: false only in a capacity-bound cache where it saved fewer prompt tokens
         per block it held than an evicted block was worth (tokens each request's first lookup
-        lost to evicted prefixes, per cached block the pool evicted). vLLM's own and passed
-        states are not extras: always true for them."""
+        lost to evicted prefixes, per cached block the pool evicted, from at least
+        :data:`VALUE_MIN_SAMPLES` evictions). It judges from :data:`RETENTION_WARMUP` states on,
+        as the reuse count it qualifies does. vLLM's own and passed states are not extras:
+        always true for them."""
         if key in (VLLM_KIND, PASSED):
             return True
         kept = (self.family_kept if family else self.kept).get(key, 0)
@@ -663,8 +680,9 @@ class RetentionLedger:
         return value[0] * baseline[1] >= baseline[0] * value[1]
 
     def proven(self, kind: str) -> bool:
-        """Whether a kind's states have earned ordinary LRU treatment (warmed up and reused, or
-        by the value rule); never a far kind: its states stay speculative until one is reused."""
+        """Whether a kind's states have earned ordinary LRU treatment (warmed up and reused,
+        paying the eviction price under pressure, or by the value rule); never a far kind: its
+        states stay speculative until one is reused."""
         if is_far(kind):
             return False
         kept = self.kept.get(kind, 0)
@@ -694,7 +712,9 @@ class RetentionLedger:
         the states kept and reused, the prompt tokens their hits saved (or would have), the
         blocks they held and the tokens per block; the prefix lookups' hit and lost tokens.
         Counts are halved each time a kind passes :data:`RETENTION_WINDOW` kept states, so
-        they weigh recent states; ``proven`` says which kinds hold ordinary LRU places now."""
+        they weigh recent states; ``proven`` says which kinds hold ordinary LRU places now;
+        ``eviction_price`` is :meth:`eviction_price` over ``evicted_blocks`` (halved past
+        :data:`PRICE_WINDOW`)."""
 
         def rows(kept: dict[str, int], reused: dict[str, int],
                  values: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
@@ -715,7 +735,7 @@ class RetentionLedger:
                 "families": rows(self.family_kept, self.family_reused, self.family_value),
                 "lookups": {"count": round(looked, 1), "hit_tokens": round(hit, 1),
                             "lost_tokens": round(lost, 1)},
-                "evicted_blocks": self.evicted_blocks, "eviction_price": price
+                "evicted_blocks": round(self.evicted_blocks, 1), "eviction_price": price
                 if price is None else round(price, 1),
                 "capacity_bound": self.capacity_bound(), "value_rule": self.compares_value}
 

@@ -965,9 +965,11 @@ def _evict_duplicates(coordinator: Any, state: CoordinatorState) -> None:
 
 
 def _count_evicted_blocks(pool: Any, state: CoordinatorState) -> None:
-    """Wrap the pool's ``_maybe_evict_cached_block`` (on the instance, once per pool; outside
-    coherent eviction's wrapper, so the blocks vLLM asked for count, not their siblings) to
-    count the cached blocks it evicts (:meth:`align.RetentionLedger.record_evicted`)."""
+    """Wrap the pool's ``_maybe_evict_cached_block`` (on the instance, once per pool, before
+    coherent eviction wraps it) to count every cached block evicted, in any group
+    (:meth:`align.RetentionLedger.record_evicted`): the blocks vLLM's allocations take, the
+    states coherent eviction takes along and duplicate copies evicted; a kind's value counts
+    the blocks of every group too. Runs per block vLLM takes from the free queue."""
     state.counted_pool = pool
     original = pool._maybe_evict_cached_block
     ledger = state.ledger
@@ -1066,10 +1068,12 @@ _SUBCLASS_WRAPPED: dict[str, type] = {}
 
 def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
     state = state_of(self)
-    if not state.evicts_coherently and align.active_policy().coherent_eviction:
+    policy = align.active_policy()
+    if (state.counted_pool is not self.block_pool and policy.adaptive_retention
+            and policy.value_retention):
+        _count_evicted_blocks(self.block_pool, state)  # inside coherent eviction's wrapper
+    if not state.evicts_coherently and policy.coherent_eviction:
         _evict_coherently(self, state)  # before anything this cache holds is evicted
-    if state.counted_pool is not self.block_pool and state.ledger.compares_value:
-        _count_evicted_blocks(self.block_pool, state)
     if (state.duplicates_map is not self.block_pool.cached_block_hash_to_block
             and align.active_policy().duplicate_eviction):
         _evict_duplicates(self, state)
