@@ -512,6 +512,73 @@ def test_value_rule_is_off_while_the_cache_is_capacity_bound_or_has_few_samples(
     assert not few.earns_blocks("tail-1")
 
 
+def _pressed_ledger(lost_first: int, evicted: int) -> align.RetentionLedger:
+    """A capacity-bound ledger (lookups lose more than they hit) whose requests' first lookups
+    lost ``lost_first`` tokens in all while the pool evicted ``evicted`` cached blocks."""
+    ledger = _ledger_with_baseline(saved_per_block=16)
+    requests = [[f"hashes-{i}"] for i in range(align.VALUE_MIN_SAMPLES)]
+    for hashes in requests:
+        ledger.record_lookup(10, lost_first // len(requests), requester=hashes)
+        ledger.record_lookup(10, 10_000, requester=hashes)  # the same request again: not counted
+    ledger.record_evicted(evicted)
+    assert ledger.capacity_bound()
+    return ledger
+
+
+def test_under_pressure_a_reused_kind_must_save_what_an_evicted_block_was_worth():
+    kept = align.VALUE_MIN_SAMPLES
+    # one tail state in 4 reused (over the 1-in-8 bar), 1,200 tokens a hit, 6 blocks a state:
+    # 50 tokens per block held
+    cheap = _pressed_ledger(lost_first=64 * 40, evicted=64)  # an evicted block: 40 tokens
+    _keep_tail_states(cheap, kept, kept // 4, 1200)
+    assert cheap.eviction_price() == 40.0
+    assert cheap.pays_under_pressure("tail-1") and cheap.proven("tail-1")
+    assert cheap.admits("tail-1", "r")
+    dear = _pressed_ledger(lost_first=64 * 60, evicted=64)  # an evicted block: 60 tokens
+    _keep_tail_states(dear, kept, kept // 4, 1200)
+    assert dear.eviction_price() == 60.0
+    assert not dear.pays_under_pressure("tail-1") and not dear.proven("tail-1")
+    refused = [r for r in (f"r{i}" for i in range(64)) if not dear.admits("tail-1", r)]
+    assert len(refused) >= 56  # only the explorers keep them
+    assert dear.on_probation(1000 + kept - 1, ("t", 1000 + kept - 1))  # never reused
+    assert dear.pays_under_pressure(align.VLLM_KIND) and dear.pays_under_pressure(align.PASSED)
+    even = _pressed_ledger(lost_first=64 * 50, evicted=64)  # exactly what the tails save
+    _keep_tail_states(even, kept, kept // 4, 1200)
+    assert even.pays_under_pressure("tail-1")
+    young = _pressed_ledger(lost_first=64 * 60, evicted=64)
+    _keep_tail_states(young, align.RETENTION_WARMUP - 1, 2, 1200)
+    assert young.pays_under_pressure("tail-1")  # too few states to judge
+    # the family pays too: a distance that pays is refused while its family does not
+    mixed = _pressed_ledger(lost_first=64 * 60, evicted=64)
+    _keep_tail_states(mixed, kept, kept // 4, 1200)
+    for block in range(3000, 3000 + kept):  # another distance, never reused
+        mixed.record_kept("tail-2", block, ("u", block), blocks=6)
+    mixed.value["tail-1"] = [70.0 * 6 * kept, 6.0 * kept]  # tail-1 alone: 70 a block
+    assert mixed.pays_under_pressure("tail-1")
+    assert not mixed.pays_under_pressure("tail", family=True)
+    assert not any(mixed.admits("tail-1", f"q{i}") for i in range(64) if not align.explores(f"q{i}"))
+
+
+def test_the_eviction_price_waits_for_pressure_and_samples_and_follows_the_traffic():
+    kept = align.VALUE_MIN_SAMPLES
+    few = _pressed_ledger(lost_first=64 * 60, evicted=align.VALUE_MIN_SAMPLES - 1)
+    _keep_tail_states(few, kept, kept // 4, 1200)
+    assert few.pays_under_pressure("tail-1")  # too few evictions to price a block
+    roomy = _ledger_with_baseline(saved_per_block=16, hit_lookups=400)  # hits 40,000 tokens
+    roomy.record_lookup(10, 64 * 60, requester=["r"])
+    roomy.record_evicted(64)
+    _keep_tail_states(roomy, kept, kept // 4, 1200)
+    assert not roomy.capacity_bound() and roomy.pays_under_pressure("tail-1")
+    assert roomy.snapshot()["eviction_price"] == 60.0
+    assert align.RetentionLedger().eviction_price() is None
+    # past the window both counts halve: the price keeps, the next evictions weigh more
+    roomy.record_evicted(align.PRICE_WINDOW - 64)
+    assert roomy.evicted_blocks == align.PRICE_WINDOW and roomy.eviction_price() < 60
+    roomy.record_evicted()
+    assert roomy.evicted_blocks == (align.PRICE_WINDOW + 1) / 2
+    assert roomy.lost_first == 64 * 60 / 2
+
+
 def test_a_hit_an_evicted_state_would_have_given_counts_toward_value_not_reuse():
     ledger = _ledger_with_baseline(saved_per_block=16)
     kept = align.VALUE_MIN_SAMPLES * 2

@@ -376,14 +376,25 @@ VALUE_MIN_SAMPLES = 64
 VALUE_MAX_LOST = 4
 #: How many states the ledger remembers by hash, after their blocks are gone too.
 RETENTION_MEMORY = 65536
+#: The eviction price's counts are halved past this many evicted blocks: over a replay (a few
+#: thousand) it is the whole run's; a server's follows its traffic. (Halved with the lookups'
+#: window instead, it followed a run's later, dearer evictions: docs/results.md.)
+PRICE_WINDOW = 16384
+#: How many requests' first prefix lookups the ledger tells from their retries (a request
+#: waiting for blocks looks up again each step).
+LOOKERS_MEMORY = 4096
 #: The ledger's kind for the states vLLM keeps itself: the baseline the value rule compares with.
 VLLM_KIND = "vllm"
 
 
-def admits_kind(kept: int, reused: int, request_id: str, earns_blocks: bool = False) -> bool:
+def admits_kind(kept: int, reused: int, request_id: str, earns_blocks: bool = False,
+                pays_under_pressure: bool = True) -> bool:
     """Whether a request's extra states of a kind with ``kept``/``reused`` counts are kept
-    (``earns_blocks``: the kind passes the ledger's value rule)."""
-    if kept < RETENTION_WARMUP or earns_blocks or reused * RETENTION_MIN_REUSE >= kept:
+    (``earns_blocks``: the kind passes the ledger's value rule; ``pays_under_pressure``: false
+    where, under pressure, it saved less per block than an evicted block was worth, so its
+    reuse count no longer admits it)."""
+    if kept < RETENTION_WARMUP or earns_blocks or (
+            pays_under_pressure and reused * RETENTION_MIN_REUSE >= kept):
         return True
     return explores(request_id)
 
@@ -405,7 +416,10 @@ class RetentionLedger:
     A kind is admitted when one state in :data:`RETENTION_MIN_REUSE` is reused or, with
     ``compares_value``, when its states save as many prompt tokens per block held as vLLM's own
     blocks do (:meth:`earns_blocks`): on traffic where most prompts never come back, no kind
-    reaches one in eight, vLLM's own states included.
+    reaches one in eight, vLLM's own states included. Under pressure (lookups lose to eviction
+    more than a quarter of what they hit) reuse alone no longer admits a kind: its states must
+    also save, per block, what an evicted block was worth (:meth:`pays_under_pressure`): where
+    most requests find their prefix evicted, a block an extra state holds is one a prefix lost.
     """
 
     def __init__(self) -> None:
@@ -418,8 +432,17 @@ class RetentionLedger:
         #: the :data:`VLLM_KIND` entry counts vLLM's attention blocks too
         self.value: dict[str, list[float]] = {}
         self.family_value: dict[str, list[float]] = {}
-        #: prompt tokens the prefix lookups hit, and lost to evicted prefixes; lookups (windowed)
+        #: prompt tokens the prefix lookups hit, and lost to evicted prefixes; lookups (halved
+        #: past :data:`RETENTION_WINDOW` lookups)
         self.lookups: list[float] = [0.0, 0.0, 0.0]
+        #: prompt tokens lost to evicted prefixes (each request's first lookup only) and cached
+        #: blocks the pool evicted (halved past :data:`PRICE_WINDOW`): what an evicted block
+        #: was worth (:meth:`eviction_price`, :meth:`pays_under_pressure`)
+        self.lost_first = 0.0
+        self.evicted_blocks = 0.0
+        #: id of a request's block-hash list -> its first hash (a later list that reuses the
+        #: id has another), for the :data:`LOOKERS_MEMORY` requests that looked up last
+        self._lookers: collections.OrderedDict[int, object] = collections.OrderedDict()
         #: whether the value rule applies (``AlignPolicy.value_retention``)
         self.compares_value = True
         self._decisions: dict[str, dict[str, bool]] = {}
@@ -441,11 +464,12 @@ class RetentionLedger:
         if decision is None:
             family = kind.split("-", 1)[0]
             decision = admits_kind(self.kept.get(kind, 0), self.reused.get(kind, 0), request_id,
-                                   self.earns_blocks(kind))
+                                   self.earns_blocks(kind), self.pays_under_pressure(kind))
             if decision and family != kind:  # e.g. every tail distance: the family must pay too
                 decision = admits_kind(self.family_kept.get(family, 0),
                                        self.family_reused.get(family, 0), request_id,
-                                       self.earns_blocks(family, family=True))
+                                       self.earns_blocks(family, family=True),
+                                       self.pays_under_pressure(family, family=True))
             decisions[kind] = decision
         return decision
 
@@ -558,14 +582,19 @@ class RetentionLedger:
     def remembers(self, block_hash: object) -> bool:
         return block_hash in self._remembered
 
-    def record_lookup(self, hit: int, lost: int, missed: object = None, at: int = 0) -> None:
+    def record_lookup(self, hit: int, lost: int, missed: object = None, at: int = 0,
+                      requester: Sequence[object] | None = None) -> None:
         """A prefix lookup hit ``hit`` tokens and lost ``lost`` more to evicted attention
         blocks; ``missed``: the hash of a remembered state, never reused, whose attention
-        prefix (``at`` tokens) was still cached: it would have saved them, had it been kept."""
+        prefix (``at`` tokens) was still cached: it would have saved them, had it been kept.
+        ``requester``: the request's block-hash list; only its first lookup's ``lost`` goes
+        into the eviction price (a request waiting for blocks looks up again each step)."""
         looked = self.lookups
         looked[0] += hit
         looked[1] += lost
         looked[2] += 1
+        if requester is not None:
+            self._count_first_lookup(requester, lost)
         if looked[2] > RETENTION_WINDOW:
             looked[:] = [looked[0] / 2, looked[1] / 2, looked[2] / 2]
         remembered = self._remembered.get(missed) if missed is not None else None
@@ -576,15 +605,63 @@ class RetentionLedger:
                 self._states[remembered[2]] = (entry[0], missed, True)
             self._count_saving(remembered[0], at)
 
+    def _count_first_lookup(self, requester: Sequence[object], lost: int) -> None:
+        key, first = id(requester), requester[0] if requester else None
+        lookers = self._lookers
+        if key in lookers and lookers[key] is first:
+            lookers.move_to_end(key)
+            return
+        lookers[key] = first
+        lookers.move_to_end(key)
+        if len(lookers) > LOOKERS_MEMORY:
+            lookers.popitem(last=False)
+        self.lost_first += lost
+
     def _count_saving(self, kind: str, tokens: int) -> None:
         self.value.setdefault(kind, [0.0, 0.0])[0] += tokens
         self.family_value.setdefault(kind.split("-", 1)[0], [0.0, 0.0])[0] += tokens
 
     def capacity_bound(self) -> bool:
         """Whether prefix lookups lose many tokens to evicted prefixes (or too few were seen)."""
-        hit, lost, looked = self.lookups
+        return not self._sampled() or self._loses_to_eviction()
+
+    def _sampled(self) -> bool:
         own = self.kept.get(VLLM_KIND, 0) + self.kept.get(PASSED, 0)
-        return looked < VALUE_MIN_SAMPLES or own < VALUE_MIN_SAMPLES or lost * VALUE_MAX_LOST > hit
+        return self.lookups[2] >= VALUE_MIN_SAMPLES and own >= VALUE_MIN_SAMPLES
+
+    def _loses_to_eviction(self) -> bool:
+        hit, lost, _ = self.lookups
+        return lost * VALUE_MAX_LOST > hit
+
+    def record_evicted(self, blocks: int = 1) -> None:
+        """The pool evicted ``blocks`` cached blocks (any group) to reuse them."""
+        self.evicted_blocks += blocks
+        if self.evicted_blocks > PRICE_WINDOW:  # a long-running server's traffic changes
+            self.evicted_blocks /= 2
+            self.lost_first /= 2
+
+    def eviction_price(self) -> float | None:
+        """Prompt tokens each request's first lookup lost to evicted prefixes, per cached block
+        the pool evicted (the last :data:`PRICE_WINDOW` or so); None before any eviction."""
+        return self.lost_first / self.evicted_blocks if self.evicted_blocks else None
+
+    def pays_under_pressure(self, key: str, family: bool = False) -> bool:
+        """Whether the kind (or family) ``key`` may keep its states at an LRU place on its
+        reuse count: false only in a capacity-bound cache where it saved fewer prompt tokens
+        per block it held than an evicted block was worth (tokens each request's first lookup
+        lost to evicted prefixes, per cached block the pool evicted, from at least
+        :data:`VALUE_MIN_SAMPLES` evictions). It judges from :data:`RETENTION_WARMUP` states on,
+        as the reuse count it qualifies does. vLLM's own and passed states are not extras:
+        always true for them."""
+        if key in (VLLM_KIND, PASSED):
+            return True
+        kept = (self.family_kept if family else self.kept).get(key, 0)
+        value = (self.family_value if family else self.value).get(key)
+        if (not self.compares_value or kept < RETENTION_WARMUP or value is None
+                or value[1] <= 0 or self.evicted_blocks < VALUE_MIN_SAMPLES
+                or not self._sampled() or not self._loses_to_eviction()):
+            return True
+        return value[0] * self.evicted_blocks >= self.lost_first * value[1]
 
     def earns_blocks(self, key: str, family: bool = False) -> bool:
         """The value rule: the kind (or family) ``key`` saved, per block it held, at least as
@@ -603,13 +680,15 @@ class RetentionLedger:
         return value[0] * baseline[1] >= baseline[0] * value[1]
 
     def proven(self, kind: str) -> bool:
-        """Whether a kind's states have earned ordinary LRU treatment (warmed up and reused, or
-        by the value rule); never a far kind: its states stay speculative until one is reused."""
+        """Whether a kind's states have earned ordinary LRU treatment (warmed up and reused,
+        paying the eviction price under pressure, or by the value rule); never a far kind: its
+        states stay speculative until one is reused."""
         if is_far(kind):
             return False
         kept = self.kept.get(kind, 0)
         return kept >= RETENTION_WARMUP and (
-            self.reused.get(kind, 0) * RETENTION_MIN_REUSE >= kept or self.earns_blocks(kind))
+            (self.reused.get(kind, 0) * RETENTION_MIN_REUSE >= kept
+             and self.pays_under_pressure(kind)) or self.earns_blocks(kind))
 
     def on_probation(self, block_id: int, block_hash: object) -> bool:
         """A kept extra state, never reused, of a kind not proven: evict it before other
@@ -633,7 +712,9 @@ class RetentionLedger:
         the states kept and reused, the prompt tokens their hits saved (or would have), the
         blocks they held and the tokens per block; the prefix lookups' hit and lost tokens.
         Counts are halved each time a kind passes :data:`RETENTION_WINDOW` kept states, so
-        they weigh recent states; ``proven`` says which kinds hold ordinary LRU places now."""
+        they weigh recent states; ``proven`` says which kinds hold ordinary LRU places now;
+        ``eviction_price`` is :meth:`eviction_price` over ``evicted_blocks`` (halved past
+        :data:`PRICE_WINDOW`)."""
 
         def rows(kept: dict[str, int], reused: dict[str, int],
                  values: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
@@ -649,10 +730,13 @@ class RetentionLedger:
         for kind, row in kinds.items():
             row["proven"] = kind not in (VLLM_KIND, PASSED) and self.proven(kind)
         hit, lost, looked = self.lookups
+        price = self.eviction_price()
         return {"kinds": kinds,
                 "families": rows(self.family_kept, self.family_reused, self.family_value),
                 "lookups": {"count": round(looked, 1), "hit_tokens": round(hit, 1),
                             "lost_tokens": round(lost, 1)},
+                "evicted_blocks": round(self.evicted_blocks, 1), "eviction_price": price
+                if price is None else round(price, 1),
                 "capacity_bound": self.capacity_bound(), "value_rule": self.compares_value}
 
 

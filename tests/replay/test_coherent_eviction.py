@@ -91,9 +91,11 @@ def test_states_left_cached_in_part_of_their_groups(monkeypatch, coherent):
     assert unusable == 0 if coherent else unusable > 0
 
 
-def _pool_with_two_mamba_groups(hash_block_size: int = 4) -> tuple[Any, Any, Any]:
+def _pool_with_two_mamba_groups(hash_block_size: int = 4,
+                                counted: Any = None) -> tuple[Any, Any, Any]:
     """vLLM's block pool behind a coordinator of one attention group and two Mamba groups of
-    one block size, the plugin's eviction hook installed; the request's hash for a key."""
+    one block size, the plugin's eviction hook installed (after the ledger's eviction counter,
+    into ``counted``'s ledger, as ``_record_hit`` installs them); a helper caching a block."""
     from vllm.v1.core.block_pool import BlockPool
 
     pool = BlockPool(num_gpu_blocks=12, enable_caching=True, hash_block_size=hash_block_size)
@@ -101,6 +103,8 @@ def _pool_with_two_mamba_groups(hash_block_size: int = 4) -> tuple[Any, Any, Any
                 *(SimpleNamespace(block_size=4, has_prefill_checkpoint_blocks=False)
                   for _ in range(2))]
     coordinator = SimpleNamespace(single_type_managers=managers, block_pool=pool)
+    if counted is not None:
+        coordinator_patch._count_evicted_blocks(pool, counted)
     coordinator_patch._evict_coherently(coordinator, coordinator_patch.CoordinatorState())
 
     def cache(block: Any, block_hash: bytes, group: int) -> None:
@@ -319,3 +323,24 @@ def test_a_copy_with_more_keys_stays(monkeypatch):
     pool.free_blocks([old])
     cache(new, key, 0)
     assert (old.block_hash is not None) == hasattr(pool, "cached_block_hashes_by_block")
+
+
+def test_the_ledger_counts_every_cached_block_evicted_siblings_included():
+    """The eviction price's denominator (``_count_evicted_blocks``, inside coherent eviction):
+    each cached block evicted counts once, the state blocks coherent eviction takes along
+    included (a kind's value counts every group's blocks); uncached blocks do not."""
+    state = coordinator_patch.CoordinatorState()
+    pool, cache, _ = _pool_with_two_mamba_groups(counted=state)
+    key, other = b"k" * 32, b"o" * 32
+    attention, state_1, state_2, lone = pool.get_new_blocks(4)
+    for block, block_hash, group in ((attention, key, 0), (state_1, key, 1), (state_2, key, 2),
+                                     (lone, other, 0)):
+        cache(block, block_hash, group)
+    pool.free_blocks([state_1, state_2, attention, lone])
+    uncached = pool.get_num_free_blocks() - 4
+    pool.get_new_blocks(uncached)
+    assert state.ledger.evicted_blocks == 0
+    pool.get_new_blocks(1)  # evicts `state_1`; coherent eviction takes `state_2` along
+    assert state_2.block_hash is None and state.ledger.evicted_blocks == 2
+    pool.get_new_blocks(2)  # `state_2` (now uncached), then `attention`
+    assert attention.block_hash is None and state.ledger.evicted_blocks == 3

@@ -44,7 +44,12 @@ finished request's cached prefix from its end, all groups together.
   kept (nor split for, see the scheduler patch). With ``VLLM_HYBRID_VALUE_RETENTION`` the
   ledger also records vLLM's own states and attention blocks, and each lookup (``_record_lookup``)
   the hit an evicted state would have given and the tokens lost to evicted prefixes, so a kind
-  saving as much per block as vLLM's own is kept even when rarely reused. When vLLM hands a
+  saving as much per block as vLLM's own is kept even when rarely reused. Under pressure the
+  converse holds too: the pool's ``_maybe_evict_cached_block`` (wrapped on the instance,
+  :func:`_count_evicted_blocks`) counts evicted blocks, and a kind whose states saved fewer
+  prompt tokens per block than an evicted block was worth (tokens each request's first lookup
+  lost to eviction, per evicted block) no longer earns LRU places on its reuse count
+  (:meth:`vllm_hybrid_backends.align.RetentionLedger.pays_under_pressure`). When vLLM hands a
   kept state back to the pool (align mode does so mid-run, in ``remove_skipped_blocks``, or in
   ``free``) and it was never
   reused and its kind is unproven, it moves in front of every other cached block in vLLM's free
@@ -225,6 +230,8 @@ class CoordinatorState:
     #: Whether the block pool's evictions take a state's other Mamba groups along
     #: (:func:`_evict_coherently`).
     evicts_coherently: bool = False
+    #: the block pool whose evictions the ledger counts (:func:`_count_evicted_blocks`)
+    counted_pool: Any = None
     #: The pool's hash map whose ``insert`` evicts a free copy of a full attention block
     #: (:func:`_evict_duplicates`); None: not installed.
     duplicates_map: Any = None
@@ -957,6 +964,25 @@ def _evict_duplicates(coordinator: Any, state: CoordinatorState) -> None:
     cached.insert = insert
 
 
+def _count_evicted_blocks(pool: Any, state: CoordinatorState) -> None:
+    """Wrap the pool's ``_maybe_evict_cached_block`` (on the instance, once per pool, before
+    coherent eviction wraps it) to count every cached block evicted, in any group
+    (:meth:`align.RetentionLedger.record_evicted`): the blocks vLLM's allocations take, the
+    states coherent eviction takes along and duplicate copies evicted; a kind's value counts
+    the blocks of every group too. Runs per block vLLM takes from the free queue."""
+    state.counted_pool = pool
+    original = pool._maybe_evict_cached_block
+    ledger = state.ledger
+
+    def maybe_evict_cached_block(block: Any) -> bool:
+        if original(block):
+            ledger.record_evicted()
+            return True
+        return False
+
+    pool._maybe_evict_cached_block = maybe_evict_cached_block
+
+
 def _count_evictions(pool: Any, mamba_groups: set[int]) -> None:
     from vllm.v1.core.kv_cache_utils import get_group_id
 
@@ -1042,7 +1068,11 @@ _SUBCLASS_WRAPPED: dict[str, type] = {}
 
 def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length: int) -> Any:
     state = state_of(self)
-    if not state.evicts_coherently and align.active_policy().coherent_eviction:
+    policy = align.active_policy()
+    if (state.counted_pool is not self.block_pool and policy.adaptive_retention
+            and policy.value_retention):
+        _count_evicted_blocks(self.block_pool, state)  # inside coherent eviction's wrapper
+    if not state.evicts_coherently and policy.coherent_eviction:
         _evict_coherently(self, state)  # before anything this cache holds is evicted
     if (state.duplicates_map is not self.block_pool.cached_block_hash_to_block
             and align.active_policy().duplicate_eviction):
@@ -1086,9 +1116,10 @@ def _record_lookup(self: Any, managers: list[Any], block_hashes: Any, hit: int,
             lost = max(0, n * size - reach)
         if n * size <= reach:
             evicted = self.block_pool.cached_block_hash_to_block.get_one_block(key) is None
-            ledger.record_lookup(hit, lost, key if evicted else None, n * size)
+            ledger.record_lookup(hit, lost, key if evicted else None, n * size,
+                                 requester=block_hashes)
             return
-    ledger.record_lookup(hit, lost)
+    ledger.record_lookup(hit, lost, requester=block_hashes)
 
 
 def free(self: Any, request_id: str) -> None:
