@@ -246,3 +246,24 @@ def test_request_differences_need_the_same_requests():
 
     with pytest.raises(ValueError, match=r"different requests \(2 and 1\); allowed: runs of one"):
         request_differences({"a": 1, "b": 2}, {"a": 1}, "upstream")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--workload", "short", "--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["--trace", "t.jsonl", "--seed", "1"], "--seed applies to a bundled --workload only"),
+])
+def test_a_bad_seed_is_refused(capsys, flags, message):
+    assert main(["replay", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_seed_draws_another_workload_and_is_reported(capsys):
+    reports = []
+    for seed in ([], ["--seed", "3"]):
+        assert main(["replay", "--workload", "branching", "--policy", "upstream", *seed,
+                     "--json"]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    default, third = reports
+    assert "seed" not in default["workload_params"] and third["workload_params"]["seed"] == 3
+    assert default["prompt_tokens"] != third["prompt_tokens"]

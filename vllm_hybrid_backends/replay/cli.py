@@ -47,6 +47,9 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--time-scale", type=float, metavar="X", default=1.0,
                         help="multiply the arrival times (of the trace or workload) by X "
                              "(2 = half the rate)")
+    parser.add_argument("--seed", type=int, metavar="N", default=None,
+                        help="draw the bundled workload with this seed (default 0; "
+                             "bench/placement_sweep.py --seeds replays several)")
     parser.add_argument("--limit", type=int, metavar="N",
                         help="replay only the trace's first N requests")
     parser.add_argument("--model-shape", metavar="NAME|PATH", default="qwen3.5-0.8b",
@@ -122,6 +125,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if value is not None and value <= 0:
             print(f"error: {name} must be a positive integer, got {value}", file=sys.stderr)
             return 2
+    if args.seed is not None and args.seed < 0:
+        print(f"error: --seed must be an integer >= 0, got {args.seed}", file=sys.stderr)
+        return 2
+    if args.trace and args.seed is not None:
+        print("error: --seed applies to a bundled --workload only (a trace is what it is)",
+              file=sys.stderr)
+        return 2
     unit: int | None = None
     if args.prefix_match_unit is not None and args.prefix_match_unit != "best":
         try:
@@ -184,8 +194,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                                limit=args.limit)
         else:
             trace = scale_arrivals(make_workload(args.workload or "agentic",
-                                                 block_size=config.layout().block_size),
+                                                 block_size=config.layout().block_size,
+                                                 seed=args.seed or 0),
                                    args.time_scale)
+            if args.seed is not None:
+                trace.params["seed"] = args.seed
     except (TraceError, ReplayError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
