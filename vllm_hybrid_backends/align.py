@@ -56,7 +56,9 @@ per-request paths then read no environment variable):
   they hold as vLLM's own blocks do (attention and states), counting the hits it would have
   had where an evicted state's attention prefix was still cached. Off while the cache is
   capacity-bound (lookups lose more than a quarter as many tokens to evicted prefixes as they
-  hit): there a state's blocks displace prefixes that would have hit.
+  hit): there a state's blocks displace prefixes that would have hit, and a kind reused 1 in 8
+  must also save, per block, what an evicted block was worth (the eviction price,
+  :meth:`RetentionLedger.pays_under_pressure`), or it earns no LRU place.
 - ``VLLM_HYBRID_RESUME_STATES`` (default 1): when the scheduler preempts a request in the
   middle of its prefill, keep its Mamba state at the last block boundary it computed (kind
   ``resume``), so it resumes from there instead of recomputing its prompt from the start (or
