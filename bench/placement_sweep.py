@@ -145,17 +145,18 @@ def row_problems(row: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _int_list(minimum: int, what: str) -> Any:
-    """An argparse type: comma-separated integers >= ``minimum`` (``_`` separators allowed)."""
+def _list_of(convert: Any, valid: Any, what: str) -> Any:
+    """An argparse type: comma-separated values, each ``convert``-ed and ``valid``, else an
+    error naming the bad part and ``what`` is allowed."""
 
-    def parse(text: str) -> list[int]:
+    def parse(text: str) -> list[Any]:
         values = []
         for part in text.split(","):
             try:
-                value = int(part.replace("_", ""))
+                value = convert(part)
             except ValueError:
-                value = minimum - 1
-            if value < minimum:
+                value = None
+            if value is None or not valid(value):
                 raise argparse.ArgumentTypeError(f"{part!r}: {what}")
             values.append(value)
         return values
@@ -163,18 +164,14 @@ def _int_list(minimum: int, what: str) -> Any:
     return parse
 
 
-def _time_scales(text: str) -> list[float]:
-    """An argparse type: comma-separated arrival-time factors, each a finite number > 0."""
-    values = []
-    for part in text.split(","):
-        try:
-            value = float(part)
-        except ValueError:
-            value = 0.0
-        if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"{part!r}: a time scale is a finite number > 0")
-        values.append(value)
-    return values
+def _int_list(minimum: int, what: str) -> Any:
+    """Comma-separated integers >= ``minimum`` (``_`` separators allowed)."""
+    return _list_of(lambda part: int(part.replace("_", "")), lambda v: v >= minimum, what)
+
+
+#: Comma-separated arrival-time factors, each a finite number > 0.
+_time_scales = _list_of(float, lambda v: 0 < v < float("inf"),
+                        "a time scale is a finite number > 0")
 
 
 def seed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1075,7 +1075,7 @@ def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length:
     if not state.evicts_coherently and policy.coherent_eviction:
         _evict_coherently(self, state)  # before anything this cache holds is evicted
     if (state.duplicates_map is not self.block_pool.cached_block_hash_to_block
-            and align.active_policy().duplicate_eviction):
+            and policy.duplicate_eviction):
         _evict_duplicates(self, state)
     managers = _mamba_managers(self)
     if result[1] > 0 and managers:
