@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import os
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -434,6 +435,10 @@ class RetentionLedger:
         #: the :data:`VLLM_KIND` entry counts vLLM's attention blocks too
         self.value: dict[str, list[float]] = {}
         self.family_value: dict[str, list[float]] = {}
+        #: per kind and per family: how many hits (or would-be hits) saved those tokens, for
+        #: the sampling error of the saving (:meth:`pays_under_pressure`)
+        self.savings: dict[str, float] = {}
+        self.family_savings: dict[str, float] = {}
         #: prompt tokens the prefix lookups hit, and lost to evicted prefixes; lookups (halved
         #: past :data:`RETENTION_WINDOW` lookups)
         self.lookups: list[float] = [0.0, 0.0, 0.0]
@@ -540,9 +545,10 @@ class RetentionLedger:
         if len(self._remembered) > RETENTION_MEMORY:
             self._remembered.popitem(last=False)
         family = kind.split("-", 1)[0]
-        for kept, reused, values, key in ((self.kept, self.reused, self.value, kind),
-                                          (self.family_kept, self.family_reused,
-                                           self.family_value, family)):
+        for kept, reused, values, savings, key in (
+                (self.kept, self.reused, self.value, self.savings, kind),
+                (self.family_kept, self.family_reused, self.family_value, self.family_savings,
+                 family)):
             kept[key] = kept.get(key, 0) + 1
             reused.setdefault(key, 0)
             value = values.setdefault(key, [0.0, 0.0])
@@ -552,6 +558,8 @@ class RetentionLedger:
                 reused[key] //= 2
                 value[0] /= 2
                 value[1] /= 2
+                if key in savings:
+                    savings[key] /= 2
 
     def record_held(self, blocks: float) -> None:
         """vLLM cached ``blocks`` attention blocks: the baseline's cost beside its states."""
@@ -620,8 +628,12 @@ class RetentionLedger:
         self.lost_first += lost
 
     def _count_saving(self, kind: str, tokens: int) -> None:
+        family = kind.split("-", 1)[0]
         self.value.setdefault(kind, [0.0, 0.0])[0] += tokens
-        self.family_value.setdefault(kind.split("-", 1)[0], [0.0, 0.0])[0] += tokens
+        self.family_value.setdefault(family, [0.0, 0.0])[0] += tokens
+        if tokens > 0:
+            self.savings[kind] = self.savings.get(kind, 0.0) + 1
+            self.family_savings[family] = self.family_savings.get(family, 0.0) + 1
 
     def capacity_bound(self) -> bool:
         """Whether prefix lookups lose many tokens to evicted prefixes (or too few were seen)."""
@@ -649,21 +661,37 @@ class RetentionLedger:
 
     def pays_under_pressure(self, key: str, family: bool = False) -> bool:
         """Whether the kind (or family) ``key`` may keep its states at an LRU place on its
-        reuse count: false only in a capacity-bound cache where it saved fewer prompt tokens
-        per block it held than an evicted block was worth (tokens each request's first lookup
-        lost to evicted prefixes, per cached block the pool evicted, from at least
-        :data:`VALUE_MIN_SAMPLES` evictions). It judges from :data:`RETENTION_WARMUP` states on,
-        as the reuse count it qualifies does. vLLM's own and passed states are not extras:
-        always true for them."""
+        reuse count: false only in a capacity-bound cache (:meth:`prices_blocks`) where it did
+        not pay the eviction price (:meth:`pays_price`). It judges from
+        :data:`RETENTION_WARMUP` states on, as the reuse count it qualifies does. vLLM's own
+        and passed states are not extras: always true for them."""
         if key in (VLLM_KIND, PASSED):
             return True
         kept = (self.family_kept if family else self.kept).get(key, 0)
         value = (self.family_value if family else self.value).get(key)
-        if (not self.compares_value or kept < RETENTION_WARMUP or value is None
-                or value[1] <= 0 or self.evicted_blocks < VALUE_MIN_SAMPLES
-                or not self._sampled() or not self._loses_to_eviction()):
+        if (kept < RETENTION_WARMUP or value is None or value[1] <= 0
+                or not self.prices_blocks()):
             return True
-        return value[0] * self.evicted_blocks >= self.lost_first * value[1]
+        return self.pays_price(key, family)
+
+    def prices_blocks(self) -> bool:
+        """Whether blocks are priced: the value rule applies, the cache is capacity-bound, and
+        the price rests on at least :data:`VALUE_MIN_SAMPLES` evictions."""
+        return (self.compares_value and self.evicted_blocks >= VALUE_MIN_SAMPLES
+                and self._sampled() and self._loses_to_eviction())
+
+    def pays_price(self, key: str, family: bool = False) -> bool:
+        """Whether the kind (or family) ``key`` saved, per block it held, at least what an
+        evicted block was worth (tokens each request's first lookup lost to evicted prefixes,
+        per cached block the pool evicted), its saving taken one standard error low: from
+        ``n`` hits (and would-be hits), ``1 - 1/sqrt(n)`` of it, so no single hit decides
+        (a kind proven by one long hit held LRU places it never used: docs/results.md)."""
+        value = (self.family_value if family else self.value).get(key)
+        hits = (self.family_savings if family else self.savings).get(key, 0.0)
+        if value is None or value[1] <= 0 or hits <= 1:
+            return False
+        saved = value[0] * (1 - 1 / math.sqrt(hits))
+        return saved * self.evicted_blocks >= self.lost_first * value[1]
 
     def earns_blocks(self, key: str, family: bool = False) -> bool:
         """The value rule: the kind (or family) ``key`` saved, per block it held, at least as
@@ -683,14 +711,16 @@ class RetentionLedger:
 
     def proven(self, kind: str) -> bool:
         """Whether a kind's states have earned ordinary LRU treatment (warmed up and reused,
-        paying the eviction price under pressure, or by the value rule); never a far kind: its
-        states stay speculative until one is reused."""
+        paying the eviction price under pressure; by the value rule; or, under pressure, paying
+        the price whatever its reuse count); never a far kind: its states stay speculative
+        until one is reused."""
         if is_far(kind):
             return False
         kept = self.kept.get(kind, 0)
         return kept >= RETENTION_WARMUP and (
             (self.reused.get(kind, 0) * RETENTION_MIN_REUSE >= kept
-             and self.pays_under_pressure(kind)) or self.earns_blocks(kind))
+             and self.pays_under_pressure(kind)) or self.earns_blocks(kind)
+            or (self.prices_blocks() and self.pays_price(kind)))
 
     def on_probation(self, block_id: int, block_hash: object) -> bool:
         """A kept extra state, never reused, of a kind not proven: evict it before other

@@ -139,6 +139,7 @@ finished request's cached prefix from its end, all groups together.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import functools
@@ -214,6 +215,13 @@ class CoordinatorState:
     #: block id -> (ledger block id, its hash) of the state a block on probation belongs to:
     #: a deferred block whose kind was proven meanwhile keeps its LRU place.
     probation_keys: dict[int, tuple[int, Any]] = field(default_factory=dict)
+    #: kind -> {ledger block id: (that block, its hash, the state's (block, hash) in every
+    #: Mamba group)} of extra states
+    #: released at their LRU place while their kind was proven, oldest first: when the kind
+    #: loses its proof, they join the probation segment at the next eviction
+    #: (:func:`_place_deferred`), so a bet the ledger no longer backs holds no LRU place.
+    lru_extras: dict[str, collections.OrderedDict[int, tuple[Any, Any, list[tuple[Any, Any]]]]] = field(
+        default_factory=dict)
     #: Found once from the coordinator's managers (None: not yet).
     mamba_managers: list[Any] | None = None
     mamba_per_block_size: list[Any] | None = None
@@ -609,12 +617,29 @@ def _release_probation(state: CoordinatorState, block_pool: Any, request_id: str
             elif state.ledger.on_probation(key_id, key_hash):
                 front += [b for b in blocks if b.block_hash is not None]
                 state.probation_keys.update((b.block_id, (key_id, key_hash)) for b in blocks)
+            else:
+                _remember_lru_extra(state, block_pool, key_id, key, key_hash, blocks)
     if finished or not kept:
         state.kept_states.pop(request_id, None)
     if front:
         _evict_first_among_cached(state, block_pool.free_block_queue, front)
     if passed:
         _evict_before_lru(state, block_pool.free_block_queue, passed)
+
+
+def _remember_lru_extra(state: CoordinatorState, block_pool: Any, key_id: int, key: Any,
+                        key_hash: Any, blocks: list[Any]) -> None:
+    """An extra state of a proven kind, released at its LRU place: remembered (per kind, at most
+    as many as the pool has blocks) so it can be demoted if the kind loses its proof."""
+    kind = state.ledger.kind_of(key_id, key_hash)
+    if kind is None or kind in (align.VLLM_KIND, align.PASSED):
+        return
+    held = state.lru_extras.setdefault(kind, collections.OrderedDict())
+    held[key_id] = (key, key_hash, [(b, b.block_hash) for b in blocks if b.block_hash is not None])
+    held.move_to_end(key_id)
+    if len(held) > block_pool.num_gpu_blocks:  # the oldest are evicted or reused by now
+        held.popitem(last=False)
+    _watch_evictions(state, block_pool.free_block_queue)
 
 
 def remove_skipped_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> None:
@@ -1615,11 +1640,17 @@ def _on_passed(state: CoordinatorState, block: Any) -> bool:
 def _defer(state: CoordinatorState, queue: Any, blocks: list[Any]) -> None:
     for block in blocks:
         state.deferred[block.block_id] = (block, block.block_hash)
+    _watch_evictions(state, queue)
+
+
+def _watch_evictions(state: CoordinatorState, queue: Any) -> None:
+    """Wrap the free queue's ``popleft_n`` (on the instance, once) with :func:`_place_deferred`
+    while deferred blocks or extras at LRU places are remembered."""
     if "_hybrid_popleft_n" not in queue.__dict__:
         original = queue.popleft_n
 
         def popleft_n(n: int) -> list[Any]:
-            if state.deferred and n:
+            if (state.deferred or state.lru_extras) and n:
                 _place_deferred(state, queue, n)
             return original(n)
 
@@ -1630,7 +1661,8 @@ def _defer(state: CoordinatorState, queue: Any, blocks: list[Any]) -> None:
 def _place_deferred(state: CoordinatorState, queue: Any, n: int) -> None:
     """Before vLLM pops ``n`` free blocks: if that would evict a cached block not on probation,
     move the deferred probation blocks still free and unchanged in front of it, so a state
-    nobody reused is evicted before anything vLLM keeps, whatever the pressure when it was freed."""
+    nobody reused is evicted before anything vLLM keeps, whatever the pressure when it was freed;
+    with them the extras at LRU places whose kind lost its proof (:func:`_demoted`)."""
     victim = queue.fake_free_list_head.next_free_block
     for _ in range(n):
         if victim is queue.fake_free_list_tail:
@@ -1645,9 +1677,26 @@ def _place_deferred(state: CoordinatorState, queue: Any, n: int) -> None:
               if _still_deferred(state, block, block_hash)]
     state.deferred.clear()
     state.probation_keys.clear()
+    if state.lru_extras:
+        blocks += _demoted(state)
     if not blocks:
         return
     _put_on_probation_after(state, queue, anchor, blocks)
+
+
+def _demoted(state: CoordinatorState) -> list[Any]:
+    """The free blocks of the remembered extras at LRU places whose kind is no longer proven and
+    that nobody reused (:meth:`align.RetentionLedger.on_probation`); those kinds are forgotten.
+    A proof check per kind; the states only of a kind that lost it."""
+    ledger = state.ledger
+    blocks: list[Any] = []
+    for kind in [kind for kind in state.lru_extras if not ledger.proven(kind)]:
+        for key_id, (key, key_hash, group_blocks) in state.lru_extras.pop(kind).items():
+            if (key.block_hash == key_hash and ledger.on_probation(key_id, key_hash)
+                    and all(b.block_hash == h and b.ref_cnt == 0 and b.prev_free_block is not None
+                            for b, h in group_blocks)):
+                blocks += [b for b, _ in group_blocks]
+    return blocks
 
 
 def _coordinator_classes(module: Any) -> list[type]:
