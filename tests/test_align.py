@@ -439,6 +439,7 @@ def test_the_ledger_snapshot_reports_counts_savings_and_proven_kinds():
     assert (tail["kept"], tail["reused"], tail["saved_tokens"], tail["blocks_held"]) == (
         align.RETENTION_WARMUP, 1, 3000.0, 6.0 * align.RETENTION_WARMUP)
     assert tail["saved_per_block"] == round(3000 / (6 * align.RETENTION_WARMUP), 1)
+    assert tail["saving_hits"] == 1.0 and snap["families"]["tail"]["saving_hits"] == 1.0
     assert tail["proven"] and not snap["kinds"]["decode"]["proven"]
     assert snap["kinds"]["decode"]["saved_per_block"] == 0.0
     assert snap["kinds"][align.VLLM_KIND]["blocks_held"] == 16.0  # its state and attention
@@ -528,10 +529,10 @@ def _pressed_ledger(lost_first: int, evicted: int) -> align.RetentionLedger:
 def test_under_pressure_a_reused_kind_must_save_what_an_evicted_block_was_worth():
     kept = align.VALUE_MIN_SAMPLES
     # one tail state in 4 reused (over the 1-in-8 bar), 1,200 tokens a hit, 6 blocks a state:
-    # 50 tokens per block held
-    cheap = _pressed_ledger(lost_first=64 * 40, evicted=64)  # an evicted block: 40 tokens
+    # 50 tokens per block held; from 16 hits, 37.5 taken one standard error low
+    cheap = _pressed_ledger(lost_first=64 * 30, evicted=64)  # an evicted block: 30 tokens
     _keep_tail_states(cheap, kept, kept // 4, 1200)
-    assert cheap.eviction_price() == 40.0
+    assert cheap.eviction_price() == 30.0
     assert cheap.pays_under_pressure("tail-1") and cheap.proven("tail-1")
     assert cheap.admits("tail-1", "r")
     dear = _pressed_ledger(lost_first=64 * 60, evicted=64)  # an evicted block: 60 tokens
@@ -542,9 +543,12 @@ def test_under_pressure_a_reused_kind_must_save_what_an_evicted_block_was_worth(
     assert len(refused) >= 56  # only the explorers keep them
     assert dear.on_probation(1000 + kept - 1, ("t", 1000 + kept - 1))  # never reused
     assert dear.pays_under_pressure(align.VLLM_KIND) and dear.pays_under_pressure(align.PASSED)
-    even = _pressed_ledger(lost_first=64 * 50, evicted=64)  # exactly what the tails save
+    even = _pressed_ledger(lost_first=64 * 75 // 2, evicted=64)  # exactly the low saving
     _keep_tail_states(even, kept, kept // 4, 1200)
     assert even.pays_under_pressure("tail-1")
+    above_the_low = _pressed_ledger(lost_first=64 * 40, evicted=64)  # under 50, over 37.5
+    _keep_tail_states(above_the_low, kept, kept // 4, 1200)
+    assert not above_the_low.pays_under_pressure("tail-1")
     young = _pressed_ledger(lost_first=64 * 60, evicted=64)
     _keep_tail_states(young, align.RETENTION_WARMUP - 1, 2, 1200)
     assert young.pays_under_pressure("tail-1")  # too few states to judge
@@ -553,10 +557,35 @@ def test_under_pressure_a_reused_kind_must_save_what_an_evicted_block_was_worth(
     _keep_tail_states(mixed, kept, kept // 4, 1200)
     for block in range(3000, 3000 + kept):  # another distance, never reused
         mixed.record_kept("tail-2", block, ("u", block), blocks=6)
-    mixed.value["tail-1"] = [70.0 * 6 * kept, 6.0 * kept]  # tail-1 alone: 70 a block
+    mixed.value["tail-1"] = [90.0 * 6 * kept, 6.0 * kept]  # tail-1 alone: 90 a block, 67.5 low
     assert mixed.pays_under_pressure("tail-1")
     assert not mixed.pays_under_pressure("tail", family=True)
     assert not any(mixed.admits("tail-1", f"q{i}") for i in range(64) if not align.explores(f"q{i}"))
+
+
+def test_under_pressure_no_single_hit_pays_the_price_and_paying_proves_a_rare_kind():
+    kept = align.VALUE_MIN_SAMPLES * 2
+    # one long hit: 76,800 tokens over 128 states of 6 blocks, 100 a block, against a price of 1
+    lucky = _pressed_ledger(lost_first=64, evicted=64)
+    _keep_tail_states(lucky, kept, 1, 76_800)
+    assert lucky.value["tail-1"][0] / lucky.value["tail-1"][1] == 100
+    assert not lucky.pays_under_pressure("tail-1") and not lucky.proven("tail-1")
+    assert lucky.on_probation(1000 + kept - 1, ("t", 1000 + kept - 1))
+    # nine hits (one state in 14, under the 1-in-8 bar), 8,000 tokens each: 93.75 a block,
+    # 62.5 one standard error low: worth its blocks at a price of 60, not at 65
+    paying = _pressed_ledger(lost_first=64 * 60, evicted=64)
+    _keep_tail_states(paying, kept, 9, 8000)
+    assert paying.reused["tail-1"] * align.RETENTION_MIN_REUSE < kept
+    assert not paying.earns_blocks("tail-1")  # the value rule is off under pressure
+    assert paying.proven("tail-1") and not paying.on_probation(1000 + kept - 1,
+                                                                ("t", 1000 + kept - 1))
+    dear = _pressed_ledger(lost_first=64 * 65, evicted=64)
+    _keep_tail_states(dear, kept, 9, 8000)
+    assert not dear.proven("tail-1")
+    # without pressure the price proves nothing: the reuse count or the value rule decide
+    roomy = _ledger_with_baseline(saved_per_block=200)
+    _keep_tail_states(roomy, kept, 9, 8000)
+    assert not roomy.prices_blocks() and not roomy.proven("tail-1")
 
 
 def test_the_eviction_price_waits_for_pressure_and_samples_and_follows_the_traffic():
@@ -827,6 +856,65 @@ def test_deferred_probation_leaves_a_state_whose_kind_was_proven_meanwhile():
         state.ledger.record_hit(200 + block, ("h", block))
     popped = queue.popleft_n(len(uncached) + 1)
     assert popped[-1] is kept_by_vllm and _ids(queue) == [100]
+
+
+def _proven_tail_2(ledger) -> None:
+    for block in range(align.RETENTION_WARMUP):  # tail-2 states get reused: proven
+        ledger.record_kept("tail-2", 200 + block, ("h", block))
+        ledger.record_hit(200 + block, ("h", block))
+    assert ledger.proven("tail-2")
+
+
+def _released_at_lru_place(proven_after: bool):
+    """A tail-2 state of a proven kind, released behind a block vLLM keeps, then (unless
+    ``proven_after``) its kind loses the proof; the queue, the state's blocks and vLLM's block."""
+    state = coordinator_patch.CoordinatorState()
+    _proven_tail_2(state.ledger)
+    spare, kept_by_vllm = _block(0, False), _block(50, True)
+    tail_state, sibling, hit_state = _block(100, True), _block(101, True), _block(102, True)
+    queue = _queue_with([spare, kept_by_vllm])
+    for block in (tail_state, sibling, hit_state):
+        block.ref_cnt = 0
+    queue.append_n([tail_state, sibling, hit_state])
+    state.ledger.record_kept("tail-2", 100, tail_state.block_hash, blocks=2)
+    state.ledger.record_kept("tail-2", 102, hit_state.block_hash)
+    state.ledger.record_hit(102, hit_state.block_hash)  # reused: keeps its place whatever
+    state.kept_states["r"] = {100: (tail_state, tail_state.block_hash, [tail_state, sibling]),
+                              102: (hit_state, hit_state.block_hash, [hit_state])}
+    coordinator_patch._release_probation(state, types.SimpleNamespace(free_block_queue=queue),
+                                         "r", finished=True)
+    assert _ids(queue) == [0, 50, 100, 101, 102]  # proven: LRU places
+    if not proven_after:
+        for block in range(300, 300 + 8 * align.RETENTION_WARMUP):  # never reused
+            state.ledger.record_kept("tail-2", block, ("n", block))
+        assert not state.ledger.proven("tail-2")
+    return state, queue
+
+
+def test_extras_at_lru_places_are_evicted_first_once_their_kind_loses_its_proof():
+    state, queue = _released_at_lru_place(proven_after=False)
+    popped = queue.popleft_n(1)  # only the uncached block: nothing moves yet
+    assert [b.block_id for b in popped] == [0] and _ids(queue) == [50, 100, 101, 102]
+    popped = queue.popleft_n(2)  # would evict vLLM's block: the demoted state goes first
+    assert [b.block_id for b in popped] == [100, 101] and _ids(queue) == [50, 102]
+    assert not state.lru_extras  # the kind is forgotten, checked once
+
+
+def test_extras_at_lru_places_keep_them_while_their_kind_is_proven():
+    state, queue = _released_at_lru_place(proven_after=True)
+    popped = queue.popleft_n(2)
+    assert [b.block_id for b in popped] == [0, 50] and _ids(queue) == [100, 101, 102]
+    assert list(state.lru_extras["tail-2"]) == [100, 102]
+
+
+def test_demotion_skips_a_state_whose_block_was_evicted_and_cached_again():
+    state, queue = _released_at_lru_place(proven_after=False)
+    sibling = queue.fake_free_list_tail.prev_free_block.prev_free_block
+    assert sibling.block_id == 101
+    sibling.reset_hash()  # evicted and cached again under another key
+    _set_hash(sibling, b"other")
+    popped = queue.popleft_n(2)
+    assert [b.block_id for b in popped] == [0, 50]  # the state is not whole: left as is
 
 
 def test_unproven_interior_states_take_only_blocks_no_upstream_state_needs():

@@ -57,8 +57,10 @@ per-request paths then read no environment variable):
   had where an evicted state's attention prefix was still cached. Off while the cache is
   capacity-bound (lookups lose more than a quarter as many tokens to evicted prefixes as they
   hit): there a state's blocks displace prefixes that would have hit, and a kind reused 1 in 8
-  must also save, per block, what an evicted block was worth (the eviction price,
-  :meth:`RetentionLedger.pays_under_pressure`), or it earns no LRU place.
+  must also save, per block, what an evicted block was worth (the eviction price, its saving
+  taken one standard error low, :meth:`RetentionLedger.pays_price`), or it earns no LRU place;
+  one that does earns it, however rarely reused. States a kind kept at LRU places go in front
+  of the cached blocks once it loses that standing.
 - ``VLLM_HYBRID_RESUME_STATES`` (default 1): when the scheduler preempts a request in the
   middle of its prefill, keep its Mamba state at the last block boundary it computed (kind
   ``resume``), so it resumes from there instead of recomputing its prompt from the start (or
@@ -741,30 +743,33 @@ class RetentionLedger:
 
     def snapshot(self) -> dict[str, Any]:
         """What the ledger holds now, as plain data (``replay --json``): per kind and per family
-        the states kept and reused, the prompt tokens their hits saved (or would have), the
-        blocks they held and the tokens per block; the prefix lookups' hit and lost tokens.
+        the states kept and reused, the prompt tokens their hits saved (or would have) and how
+        many hits that was, the blocks they held and the tokens per block; the prefix lookups' hit and lost tokens.
         Counts are halved each time a kind passes :data:`RETENTION_WINDOW` kept states, so
         they weigh recent states; ``proven`` says which kinds hold ordinary LRU places now;
         ``eviction_price`` is :meth:`eviction_price` over ``evicted_blocks`` (halved past
         :data:`PRICE_WINDOW`)."""
 
-        def rows(kept: dict[str, int], reused: dict[str, int],
-                 values: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
+        def rows(kept: dict[str, int], reused: dict[str, int], values: dict[str, list[float]],
+                 savings: dict[str, float]) -> dict[str, dict[str, Any]]:
             out = {}
             for key in sorted(set(kept) | set(values)):
                 saved, blocks = values.get(key, [0.0, 0.0])
                 out[key] = {"kept": kept.get(key, 0), "reused": reused.get(key, 0),
-                            "saved_tokens": round(saved, 1), "blocks_held": round(blocks, 1),
+                            "saved_tokens": round(saved, 1),
+                            "saving_hits": round(savings.get(key, 0.0), 1),
+                            "blocks_held": round(blocks, 1),
                             "saved_per_block": round(saved / blocks, 1) if blocks else None}
             return out
 
-        kinds = rows(self.kept, self.reused, self.value)
+        kinds = rows(self.kept, self.reused, self.value, self.savings)
         for kind, row in kinds.items():
             row["proven"] = kind not in (VLLM_KIND, PASSED) and self.proven(kind)
         hit, lost, looked = self.lookups
         price = self.eviction_price()
         return {"kinds": kinds,
-                "families": rows(self.family_kept, self.family_reused, self.family_value),
+                "families": rows(self.family_kept, self.family_reused, self.family_value,
+                                 self.family_savings),
                 "lookups": {"count": round(looked, 1), "hit_tokens": round(hit, 1),
                             "lost_tokens": round(lost, 1)},
                 "evicted_blocks": round(self.evicted_blocks, 1), "eviction_price": price

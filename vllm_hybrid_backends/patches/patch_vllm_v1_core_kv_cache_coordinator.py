@@ -48,8 +48,9 @@ finished request's cached prefix from its end, all groups together.
   converse holds too: the pool's ``_maybe_evict_cached_block`` (wrapped on the instance,
   :func:`_count_evicted_blocks`) counts evicted blocks, and a kind whose states saved fewer
   prompt tokens per block than an evicted block was worth (tokens each request's first lookup
-  lost to eviction, per evicted block) no longer earns LRU places on its reuse count
-  (:meth:`vllm_hybrid_backends.align.RetentionLedger.pays_under_pressure`). When vLLM hands a
+  lost to eviction, per evicted block; the kind's saving taken one standard error low) no
+  longer earns LRU places on its reuse count, and one that pays it earns them whatever its
+  reuse count (:meth:`vllm_hybrid_backends.align.RetentionLedger.pays_price`). When vLLM hands a
   kept state back to the pool (align mode does so mid-run, in ``remove_skipped_blocks``, or in
   ``free``) and it was never
   reused and its kind is unproven, it moves in front of every other cached block in vLLM's free
@@ -57,7 +58,13 @@ finished request's cached prefix from its end, all groups together.
   or a state vLLM itself keeps. While the pool still has many uncached blocks free it keeps
   its LRU place instead, until an allocation is about to evict a cached block: the free
   queue's ``popleft_n`` (wrapped on that pool's queue instance, once it holds such a state)
-  then moves it in front first, so this holds whatever the pressure when it was freed.
+  then moves it in front first, so this holds whatever the pressure when it was freed. A state
+  released at its LRU place because its kind was proven then is remembered
+  (``CoordinatorState.lru_extras``); if the kind loses its proof, the same ``popleft_n`` moves
+  it (never reused, still whole) in front too (:func:`_demoted`): a bet the ledger no longer
+  backs holds no LRU place (public conversation trace, nemotron-h-8b, 4,000,000 tokens: about
+  50 ``tail-1`` states, proven by five would-be hits while nothing was evicted, kept 300
+  blocks at LRU places through the pressure that followed).
   Only the states a request computed itself count as its extras: a block it got from a hit
   and vLLM's own shared-prefix junction are not (vLLM keeps them; on probation they were
   evicted before the blocks upstream keeps, replay rag qwen3.5-0.8b 131,072).
@@ -220,7 +227,7 @@ class CoordinatorState:
     #: released at their LRU place while their kind was proven, oldest first: when the kind
     #: loses its proof, they join the probation segment at the next eviction
     #: (:func:`_place_deferred`), so a bet the ledger no longer backs holds no LRU place.
-    lru_extras: dict[str, collections.OrderedDict[int, tuple[Any, Any, list[tuple[Any, Any]]]]] = field(
+    lru_extras: dict[str, collections.OrderedDict[int, tuple[Any, Any, list[Any]]]] = field(
         default_factory=dict)
     #: Found once from the coordinator's managers (None: not yet).
     mamba_managers: list[Any] | None = None
@@ -629,15 +636,16 @@ def _release_probation(state: CoordinatorState, block_pool: Any, request_id: str
 
 def _remember_lru_extra(state: CoordinatorState, block_pool: Any, key_id: int, key: Any,
                         key_hash: Any, blocks: list[Any]) -> None:
-    """An extra state of a proven kind, released at its LRU place: remembered (per kind, at most
-    as many as the pool has blocks) so it can be demoted if the kind loses its proof."""
+    """An extra state of a proven kind, released at its LRU place: remembered (the newest
+    :data:`align.RETENTION_MEMORY` per kind, as the ledger remembers states) so it can be
+    demoted if the kind loses its proof."""
     kind = state.ledger.kind_of(key_id, key_hash)
     if kind is None or kind in (align.VLLM_KIND, align.PASSED):
         return
     held = state.lru_extras.setdefault(kind, collections.OrderedDict())
     held[key_id] = (key, key_hash, [(b, b.block_hash) for b in blocks if b.block_hash is not None])
     held.move_to_end(key_id)
-    if len(held) > block_pool.num_gpu_blocks:  # the oldest are evicted or reused by now
+    if len(held) > align.RETENTION_MEMORY:
         held.popitem(last=False)
     _watch_evictions(state, block_pool.free_block_queue)
 
