@@ -904,7 +904,7 @@ def test_extras_at_lru_places_keep_them_while_their_kind_is_proven():
     state, queue = _released_at_lru_place(proven_after=True)
     popped = queue.popleft_n(2)
     assert [b.block_id for b in popped] == [0, 50] and _ids(queue) == [100, 101, 102]
-    assert list(state.lru_extras["tail-2"]) == [100, 102]
+    assert list(state.lru_extras["tail-2"]) == [100]  # 102 was reused: never demoted
 
 
 def test_demotion_skips_a_state_whose_block_was_evicted_and_cached_again():
@@ -915,6 +915,45 @@ def test_demotion_skips_a_state_whose_block_was_evicted_and_cached_again():
     _set_hash(sibling, b"other")
     popped = queue.popleft_n(2)
     assert [b.block_id for b in popped] == [0, 50]  # the state is not whole: left as is
+
+
+def test_a_state_recomputed_into_a_remembered_block_is_moved_once():
+    # remembered at its LRU place, evicted, recomputed into the same blocks under the same
+    # hash, released again once its kind lost its proof: on probation, not demoted a second time
+    state, queue = _released_at_lru_place(proven_after=False)
+    tail_state = queue.fake_free_list_tail.prev_free_block.prev_free_block.prev_free_block
+    sibling = tail_state.next_free_block
+    assert (tail_state.block_id, sibling.block_id) == (100, 101)
+    for block in (tail_state, sibling):
+        queue.remove(block)
+        block.ref_cnt = 1
+    for block in (tail_state, sibling):  # the new request frees them again
+        block.ref_cnt = 0
+    queue.append_n([tail_state, sibling])
+    state.kept_states["r2"] = {100: (tail_state, tail_state.block_hash, [tail_state, sibling])}
+    coordinator_patch._release_probation(state, types.SimpleNamespace(free_block_queue=queue),
+                                         "r2", finished=True)
+    assert _ids(queue) == [0, 100, 101, 50, 102]  # on probation at once (unproven)
+    assert not state.lru_extras and not state.lru_extra_kinds  # the old record is gone
+    popped = queue.popleft_n(4)  # reaches vLLM's block: nothing is demoted twice
+    assert [b.block_id for b in popped] == [0, 100, 101, 50] and _ids(queue) == [102]
+
+
+def test_a_remembered_state_deferred_again_is_moved_once():
+    state, queue = _released_at_lru_place(proven_after=False)
+    tail_state = queue.fake_free_list_tail.prev_free_block.prev_free_block.prev_free_block
+    sibling = tail_state.next_free_block
+    # the same blocks, still free and unchanged, also deferred (freed while the pool was roomy)
+    state.deferred[100] = (tail_state, tail_state.block_hash)
+    state.deferred[101] = (sibling, sibling.block_hash)
+    popped = queue.popleft_n(3)
+    assert [b.block_id for b in popped] == [0, 100, 101] and _ids(queue) == [50, 102]
+    assert queue.num_free_blocks == 2
+
+
+def test_a_reused_extra_is_not_remembered_for_demotion():
+    state, _ = _released_at_lru_place(proven_after=True)
+    assert 102 not in state.lru_extra_kinds and list(state.lru_extras["tail-2"]) == [100]
 
 
 def test_unproven_interior_states_take_only_blocks_no_upstream_state_needs():

@@ -59,8 +59,9 @@ per-request paths then read no environment variable):
   hit): there a state's blocks displace prefixes that would have hit, and a kind reused 1 in 8
   must also save, per block, what an evicted block was worth (the eviction price, its saving
   taken one standard error low, :meth:`RetentionLedger.pays_price`), or it earns no LRU place;
-  one that does earns it, however rarely reused. States a kind kept at LRU places go in front
-  of the cached blocks once it loses that standing.
+  one that pays it holds LRU places for the states it keeps (on trial, or in the exploration
+  sample), however rarely reused: admission still asks one reuse in eight. States a kind kept
+  at LRU places go in front of the cached blocks once it loses that standing.
 - ``VLLM_HYBRID_RESUME_STATES`` (default 1): when the scheduler preempts a request in the
   middle of its prefill, keep its Mamba state at the last block boundary it computed (kind
   ``resume``), so it resumes from there instead of recomputing its prompt from the start (or
@@ -423,8 +424,10 @@ class RetentionLedger:
     blocks do (:meth:`earns_blocks`): on traffic where most prompts never come back, no kind
     reaches one in eight, vLLM's own states included. Under pressure (lookups lose to eviction
     more than a quarter of what they hit) reuse alone no longer admits a kind: its states must
-    also save, per block, what an evicted block was worth (:meth:`pays_under_pressure`): where
-    most requests find their prefix evicted, a block an extra state holds is one a prefix lost.
+    also save, per block, what an evicted block was worth (:meth:`pays_price`, the saving taken
+    one standard error low): where most requests find their prefix evicted, a block an extra
+    state holds is one a prefix lost. A kind that pays it is :meth:`proven` (its states hold
+    LRU places) whatever its reuse count.
     """
 
     def __init__(self) -> None:
@@ -438,7 +441,7 @@ class RetentionLedger:
         self.value: dict[str, list[float]] = {}
         self.family_value: dict[str, list[float]] = {}
         #: per kind and per family: how many hits (or would-be hits) saved those tokens, for
-        #: the sampling error of the saving (:meth:`pays_under_pressure`)
+        #: the sampling error of the saving (:meth:`pays_price`)
         self.savings: dict[str, float] = {}
         self.family_savings: dict[str, float] = {}
         #: prompt tokens the prefix lookups hit, and lost to evicted prefixes; lookups (halved
@@ -535,6 +538,11 @@ class RetentionLedger:
         self._give_up(VLLM_KIND, blocks)
         self._count_kept(PASSED, block_id, block_hash, blocks)
         return True
+
+    def was_reused(self, block_id: int, block_hash: object) -> bool:
+        """Whether the state in ``block_id`` was reused (or would have been)."""
+        entry = self._states.get(block_id)
+        return entry is not None and entry[1] == block_hash and entry[2]
 
     def kind_of(self, block_id: int, block_hash: object) -> str | None:
         entry = self._states.get(block_id)

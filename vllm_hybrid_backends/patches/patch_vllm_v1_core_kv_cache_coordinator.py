@@ -49,8 +49,9 @@ finished request's cached prefix from its end, all groups together.
   :func:`_count_evicted_blocks`) counts evicted blocks, and a kind whose states saved fewer
   prompt tokens per block than an evicted block was worth (tokens each request's first lookup
   lost to eviction, per evicted block; the kind's saving taken one standard error low) no
-  longer earns LRU places on its reuse count, and one that pays it earns them whatever its
-  reuse count (:meth:`vllm_hybrid_backends.align.RetentionLedger.pays_price`). When vLLM hands a
+  longer earns LRU places on its reuse count, and one that pays it earns them for the states
+  it keeps (on trial or sampled) whatever its reuse count
+  (:meth:`vllm_hybrid_backends.align.RetentionLedger.pays_price`). When vLLM hands a
   kept state back to the pool (align mode does so mid-run, in ``remove_skipped_blocks``, or in
   ``free``) and it was never
   reused and its kind is unproven, it moves in front of every other cached block in vLLM's free
@@ -146,7 +147,6 @@ finished request's cached prefix from its end, all groups together.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import contextvars
 import functools
@@ -223,12 +223,14 @@ class CoordinatorState:
     #: a deferred block whose kind was proven meanwhile keeps its LRU place.
     probation_keys: dict[int, tuple[int, Any]] = field(default_factory=dict)
     #: kind -> {ledger block id: (that block, its hash, the state's (block, hash) in every
-    #: Mamba group)} of extra states
-    #: released at their LRU place while their kind was proven, oldest first: when the kind
-    #: loses its proof, they join the probation segment at the next eviction
+    #: Mamba group)} of extra states released at their LRU place while their kind was proven:
+    #: when the kind loses its proof, they join the probation segment at the next eviction
     #: (:func:`_place_deferred`), so a bet the ledger no longer backs holds no LRU place.
-    lru_extras: dict[str, collections.OrderedDict[int, tuple[Any, Any, list[Any]]]] = field(
+    lru_extras: dict[str, dict[int, tuple[Any, Any, list[tuple[Any, Any]]]]] = field(
         default_factory=dict)
+    #: ledger block id -> its kind in ``lru_extras`` (one entry per block id: at most the
+    #: pool's blocks, a later state in the same block replaces a stale one)
+    lru_extra_kinds: dict[int, str] = field(default_factory=dict)
     #: Found once from the coordinator's managers (None: not yet).
     mamba_managers: list[Any] | None = None
     mamba_per_block_size: list[Any] | None = None
@@ -615,6 +617,7 @@ def _release_probation(state: CoordinatorState, block_pool: Any, request_id: str
             continue
         if all(b.ref_cnt == 0 and b.prev_free_block is not None for b in blocks):
             del kept[key_id]
+            _forget_lru_extra(state, key_id)  # an older state in this block, if any
             if key_id in state.passed_keys:  # the request's hit, passed: never on probation
                 state.passed_keys.discard(key_id)
                 if (state.ledger.kind_of(key_id, key_hash) == align.PASSED
@@ -636,18 +639,27 @@ def _release_probation(state: CoordinatorState, block_pool: Any, request_id: str
 
 def _remember_lru_extra(state: CoordinatorState, block_pool: Any, key_id: int, key: Any,
                         key_hash: Any, blocks: list[Any]) -> None:
-    """An extra state of a proven kind, released at its LRU place: remembered (the newest
-    :data:`align.RETENTION_MEMORY` per kind, as the ledger remembers states) so it can be
-    demoted if the kind loses its proof."""
-    kind = state.ledger.kind_of(key_id, key_hash)
-    if kind is None or kind in (align.VLLM_KIND, align.PASSED):
+    """An extra state released at its LRU place because its kind is proven (not because it was
+    reused): remembered, so it can be demoted if the kind loses its proof."""
+    ledger = state.ledger
+    kind = ledger.kind_of(key_id, key_hash)
+    if kind is None or kind in (align.VLLM_KIND, align.PASSED) or ledger.was_reused(key_id,
+                                                                                    key_hash):
         return
-    held = state.lru_extras.setdefault(kind, collections.OrderedDict())
-    held[key_id] = (key, key_hash, [(b, b.block_hash) for b in blocks if b.block_hash is not None])
-    held.move_to_end(key_id)
-    if len(held) > align.RETENTION_MEMORY:
-        held.popitem(last=False)
+    state.lru_extras.setdefault(kind, {})[key_id] = (
+        key, key_hash, [(b, b.block_hash) for b in blocks if b.block_hash is not None])
+    state.lru_extra_kinds[key_id] = kind
     _watch_evictions(state, block_pool.free_block_queue)
+
+
+def _forget_lru_extra(state: CoordinatorState, key_id: int) -> None:
+    kind = state.lru_extra_kinds.pop(key_id, None)
+    if kind is not None:
+        held = state.lru_extras.get(kind)
+        if held is not None:
+            held.pop(key_id, None)
+            if not held:
+                del state.lru_extras[kind]
 
 
 def remove_skipped_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> None:
@@ -1686,23 +1698,26 @@ def _place_deferred(state: CoordinatorState, queue: Any, n: int) -> None:
     state.deferred.clear()
     state.probation_keys.clear()
     if state.lru_extras:
-        blocks += _demoted(state)
+        moving = {block.block_id for block in blocks}
+        blocks += [block for block in _demoted(state) if block.block_id not in moving]
     if not blocks:
         return
     _put_on_probation_after(state, queue, anchor, blocks)
 
 
 def _demoted(state: CoordinatorState) -> list[Any]:
-    """The free blocks of the remembered extras at LRU places whose kind is no longer proven and
-    that nobody reused (:meth:`align.RetentionLedger.on_probation`); those kinds are forgotten.
-    A proof check per kind; the states only of a kind that lost it."""
+    """The free blocks of the remembered extras at LRU places whose kind is no longer proven,
+    that nobody reused and that are still whole at their LRU place (every group's block free,
+    its hash unchanged, not on probation already); those kinds are forgotten. A proof check per
+    kind; the states only of a kind that lost it."""
     ledger = state.ledger
     blocks: list[Any] = []
     for kind in [kind for kind in state.lru_extras if not ledger.proven(kind)]:
         for key_id, (key, key_hash, group_blocks) in state.lru_extras.pop(kind).items():
-            if (key.block_hash == key_hash and ledger.on_probation(key_id, key_hash)
+            state.lru_extra_kinds.pop(key_id, None)
+            if (key.block_hash == key_hash and not ledger.was_reused(key_id, key_hash)
                     and all(b.block_hash == h and b.ref_cnt == 0 and b.prev_free_block is not None
-                            for b, h in group_blocks)):
+                            and not _on_probation(state, b) for b, h in group_blocks)):
                 blocks += [b for b, _ in group_blocks]
     return blocks
 
