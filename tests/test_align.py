@@ -917,6 +917,15 @@ def test_demotion_skips_a_state_whose_block_was_evicted_and_cached_again():
     assert [b.block_id for b in popped] == [0, 50]  # the state is not whole: left as is
 
 
+def test_demotion_skips_a_state_whose_block_a_request_holds():
+    state, queue = _released_at_lru_place(proven_after=False)
+    sibling = queue.fake_free_list_tail.prev_free_block.prev_free_block
+    queue.remove(sibling)  # taken out of the free queue again (a hit holds it)
+    sibling.ref_cnt = 1
+    popped = queue.popleft_n(2)
+    assert [b.block_id for b in popped] == [0, 50] and _ids(queue) == [100, 102]
+
+
 def test_a_state_recomputed_into_a_remembered_block_is_moved_once():
     # remembered at its LRU place, evicted, recomputed into the same blocks under the same
     # hash, released again once its kind lost its proof: on probation, not demoted a second time
