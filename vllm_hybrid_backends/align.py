@@ -476,14 +476,20 @@ class RetentionLedger:
         if decision is None:
             family = kind.split("-", 1)[0]
             decision = admits_kind(self.kept.get(kind, 0), self.reused.get(kind, 0), request_id,
-                                   self.earns_blocks(kind), self.pays_under_pressure(kind))
+                                   self._earns(kind), self.pays_under_pressure(kind))
             if decision and family != kind:  # e.g. every tail distance: the family must pay too
                 decision = admits_kind(self.family_kept.get(family, 0),
                                        self.family_reused.get(family, 0), request_id,
-                                       self.earns_blocks(family, family=True),
+                                       self._earns(family, family=True),
                                        self.pays_under_pressure(family, family=True))
             decisions[kind] = decision
         return decision
+
+    def _earns(self, key: str, family: bool = False) -> bool:
+        """Admitted whatever the reuse count: by the value rule, or under pressure by paying the
+        eviction price (:meth:`pays_price`)."""
+        return self.earns_blocks(key, family) or (self.prices_blocks()
+                                                  and self.pays_price(key, family))
 
     def keep_on_trial(self, kinds: Iterable[str], request_id: str) -> None:
         """Admit ``kinds`` for ``request_id`` whatever their record: the cache gave these states
