@@ -579,9 +579,13 @@ def test_under_pressure_no_single_hit_pays_the_price_and_paying_proves_a_rare_ki
     assert not paying.earns_blocks("tail-1")  # the value rule is off under pressure
     assert paying.proven("tail-1") and not paying.on_probation(1000 + kept - 1,
                                                                 ("t", 1000 + kept - 1))
+    # and admitted, not only kept on trial: the ledger's proof and its admission agree
+    assert all(paying.admits("tail-1", f"r{i}") for i in range(64))
     dear = _pressed_ledger(lost_first=64 * 65, evicted=64)
     _keep_tail_states(dear, kept, 9, 8000)
     assert not dear.proven("tail-1")
+    assert not any(dear.admits("tail-1", f"r{i}") for i in range(64)
+                   if not align.explores(f"r{i}"))
     # without pressure the price proves nothing: the reuse count or the value rule decide
     roomy = _ledger_with_baseline(saved_per_block=200)
     _keep_tail_states(roomy, kept, 9, 8000)

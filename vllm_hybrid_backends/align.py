@@ -59,8 +59,7 @@ per-request paths then read no environment variable):
   hit): there a state's blocks displace prefixes that would have hit, and a kind reused 1 in 8
   must also save, per block, what an evicted block was worth (the eviction price, its saving
   taken one standard error low, :meth:`RetentionLedger.pays_price`), or it earns no LRU place;
-  one that pays it holds LRU places for the states it keeps (on trial, or in the exploration
-  sample), however rarely reused: admission still asks one reuse in eight. States a kind kept
+  one that pays it is admitted and holds LRU places however rarely reused. States a kind kept
   at LRU places go in front of the cached blocks once it loses that standing.
 - ``VLLM_HYBRID_RESUME_STATES`` (default 1): when the scheduler preempts a request in the
   middle of its prefill, keep its Mamba state at the last block boundary it computed (kind
@@ -426,8 +425,8 @@ class RetentionLedger:
     more than a quarter of what they hit) reuse alone no longer admits a kind: its states must
     also save, per block, what an evicted block was worth (:meth:`pays_price`, the saving taken
     one standard error low): where most requests find their prefix evicted, a block an extra
-    state holds is one a prefix lost. A kind that pays it is :meth:`proven` (its states hold
-    LRU places) whatever its reuse count.
+    state holds is one a prefix lost. A kind that pays it is admitted and :meth:`proven` (its
+    states hold LRU places) whatever its reuse count.
     """
 
     def __init__(self) -> None:

@@ -49,8 +49,8 @@ finished request's cached prefix from its end, all groups together.
   :func:`_count_evicted_blocks`) counts evicted blocks, and a kind whose states saved fewer
   prompt tokens per block than an evicted block was worth (tokens each request's first lookup
   lost to eviction, per evicted block; the kind's saving taken one standard error low) no
-  longer earns LRU places on its reuse count, and one that pays it earns them for the states
-  it keeps (on trial or sampled) whatever its reuse count
+  longer earns LRU places on its reuse count, and one that pays it is admitted and earns them
+  whatever its reuse count
   (:meth:`vllm_hybrid_backends.align.RetentionLedger.pays_price`). When vLLM hands a
   kept state back to the pool (align mode does so mid-run, in ``remove_skipped_blocks``, or in
   ``free``) and it was never
