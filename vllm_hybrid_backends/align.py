@@ -734,8 +734,7 @@ class RetentionLedger:
         kept = self.kept.get(kind, 0)
         return kept >= RETENTION_WARMUP and (
             (self.reused.get(kind, 0) * RETENTION_MIN_REUSE >= kept
-             and self.pays_under_pressure(kind)) or self.earns_blocks(kind)
-            or (self.prices_blocks() and self.pays_price(kind)))
+             and self.pays_under_pressure(kind)) or self._earns(kind))
 
     def on_probation(self, block_id: int, block_hash: object) -> bool:
         """A kept extra state, never reused, of a kind not proven: evict it before other
@@ -757,9 +756,9 @@ class RetentionLedger:
     def snapshot(self) -> dict[str, Any]:
         """What the ledger holds now, as plain data (``replay --json``): per kind and per family
         the states kept and reused, the prompt tokens their hits saved (or would have) and how
-        many hits that was, the blocks they held and the tokens per block; the prefix lookups' hit and lost tokens.
-        Counts are halved each time a kind passes :data:`RETENTION_WINDOW` kept states, so
-        they weigh recent states; ``proven`` says which kinds hold ordinary LRU places now;
+        many hits that was, the blocks they held and the tokens per block; the prefix lookups'
+        hit and lost tokens. Counts are halved each time a kind passes
+        :data:`RETENTION_WINDOW` kept states, so they weigh recent states; ``proven`` says which kinds hold ordinary LRU places now;
         ``eviction_price`` is :meth:`eviction_price` over ``evicted_blocks`` (halved past
         :data:`PRICE_WINDOW`)."""
 

@@ -654,12 +654,12 @@ def _remember_lru_extra(state: CoordinatorState, block_pool: Any, key_id: int, k
 
 def _forget_lru_extra(state: CoordinatorState, key_id: int) -> None:
     kind = state.lru_extra_kinds.pop(key_id, None)
-    if kind is not None:
-        held = state.lru_extras.get(kind)
-        if held is not None:
-            held.pop(key_id, None)
-            if not held:
-                del state.lru_extras[kind]
+    if kind is None:
+        return
+    held = state.lru_extras.get(kind, {})
+    held.pop(key_id, None)
+    if not held:
+        state.lru_extras.pop(kind, None)
 
 
 def remove_skipped_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> None:
@@ -1697,9 +1697,10 @@ def _place_deferred(state: CoordinatorState, queue: Any, n: int) -> None:
               if _still_deferred(state, block, block_hash)]
     state.deferred.clear()
     state.probation_keys.clear()
-    if state.lru_extras:
+    demoted = _demoted(state) if state.lru_extras else []
+    if demoted:  # a block deferred again since it was remembered moves once
         moving = {block.block_id for block in blocks}
-        blocks += [block for block in _demoted(state) if block.block_id not in moving]
+        blocks += [block for block in demoted if block.block_id not in moving]
     if not blocks:
         return
     _put_on_probation_after(state, queue, anchor, blocks)
