@@ -194,6 +194,31 @@ _BOUNDARY_HOOK: tuple[Any, str, Any] | None = None
 
 
 @dataclass
+class StrandIndex:
+    """Which full-attention prefixes still lead to a Mamba state the cache holds (stranded
+    eviction, :func:`_evict_stranded`). Positions are block hashes without the group: with one
+    block size for every group and for hashing, a position's attention and Mamba blocks share
+    its hash."""
+
+    #: the pool's hash map this describes (``reset_prefix_cache`` makes a new one: start over)
+    cached_map: Any
+    #: the first Mamba group: its block at a position marks a state there
+    mamba_group: int
+    attention_groups: tuple[int, ...]
+    #: the pool's eviction, not counted by the ledger (a stranded block costs no hit)
+    evict_quietly: Any
+    #: index size at which it gives up (memory bound; a stale index only keeps blocks cached)
+    limit: int
+    #: hash -> the hash before it, on the path of a registered state (None: the first block)
+    parent: dict[Any, Any] = field(default_factory=dict)
+    #: hash -> registered states cached at or past it on its path
+    below: dict[Any, int] = field(default_factory=dict)
+    #: hashes of the registered states
+    states: set[Any] = field(default_factory=set)
+    gave_up: bool = False
+
+
+@dataclass
 class CoordinatorState:
     """What the patch keeps for one KV-cache coordinator (one engine's cache): two engines in
     one process (the replay's upstream and plugin runs) share nothing. Created on first use by
@@ -252,6 +277,12 @@ class CoordinatorState:
     #: The pool's hash map whose ``insert`` evicts a free copy of a full attention block
     #: (:func:`_evict_duplicates`); None: not installed.
     duplicates_map: Any = None
+    #: the pool's eviction as it was before the ledger counted it (stranded blocks are free)
+    evict_uncounted: Any = None
+    #: Stranded eviction's index (:func:`_evict_stranded`); None: not installed (or refused).
+    stranded: StrandIndex | None = None
+    #: Whether :func:`_evict_stranded` ran (installed or refused) for this cache.
+    strands_checked: bool = False
 
 
 def state_of(coordinator: Any) -> CoordinatorState:
@@ -831,6 +862,8 @@ def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: i
     before = managers[0].num_cached_block.get(request.request_id, 0)
     with _keeping_boundaries(request, policy, memo, state.ledger):
         original(self, request, num_computed_tokens)
+    if state.stranded is not None:
+        _register_states(self, state, request, before)
     if policy.adaptive_retention:
         _record_kept_states(self, request, policy, memo, before)
     if stats.enabled:
@@ -1009,6 +1042,183 @@ def _evict_duplicates(coordinator: Any, state: CoordinatorState) -> None:
     cached.insert = insert
 
 
+def _evict_stranded(coordinator: Any, state: CoordinatorState) -> None:
+    """Stranded eviction (``VLLM_HYBRID_STRANDED_EVICTION``): a full-attention block with no
+    Mamba state cached at or past it on its path cannot serve a hit again (a lookup stops at
+    the deepest state; the request recomputes past it and caches its own copy), so it is
+    evicted at once and joins the uncached free blocks. An index (:class:`StrandIndex`) counts,
+    per position, the states registered at or past it: :func:`_register_states` when vLLM
+    caches a state, the pool's ``_maybe_evict_cached_block`` (wrapped here on the instance,
+    inside coherent eviction's wrapper) when one goes, :func:`_strand` then evicting the
+    positions left with none; :func:`_evict_past_states` when a request is freed, its blocks
+    past every state. Installed at the cache's first lookup; refused with EAGLE (a hit there
+    drops its last block), ``prefix_match_unit`` below the block (sub-block keys and states)
+    or groups of different block sizes. Per state cached or evicted: one walk of its path's
+    positions (dictionary updates); per request freed: a walk back over its blocks past its
+    last state; no per-step work."""
+    from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    state.strands_checked = True
+    if getattr(coordinator, "use_eagle", False) or getattr(coordinator, "eagle_group_ids", None):
+        return
+    managers = coordinator.single_type_managers
+    mamba = [gid for gid, m in enumerate(managers) if _is_mamba_manager(m)]
+    attention = [gid for gid, m in enumerate(managers) if type(m) is FullAttentionManager]
+    pool = coordinator.block_pool
+    sizes = {managers[gid].block_size for gid in (*mamba, *attention)}
+    if not mamba or not attention or len(sizes) != 1 or getattr(
+            pool, "hash_block_size", min(sizes)) not in sizes:
+        trace_event("stranded_eviction_refused", groups=len(managers), block_sizes=sorted(sizes))
+        return
+    original = pool._maybe_evict_cached_block
+    index = state.stranded = StrandIndex(
+        pool.cached_block_hash_to_block, mamba[0], tuple(attention),
+        state.evict_uncounted if state.counted_pool is pool else original,
+        limit=4 * len(pool.blocks) + 1024)
+    mamba_group = mamba[0]
+
+    def maybe_evict_cached_block(block: Any) -> bool:
+        if block.block_hash is None:
+            return bool(original(block))
+        keys = cached_hashes(pool, block)
+        if not original(block):
+            return False
+        for key in keys:
+            if get_group_id(key) == mamba_group and _current_index(state, pool) is not None:
+                position = get_block_hash(key)
+                if (position in index.states
+                        and pool.cached_block_hash_to_block.get_one_block(key) is None):
+                    _strand(pool, index, position)
+        return True
+
+    pool._maybe_evict_cached_block = maybe_evict_cached_block
+
+
+def _current_index(state: CoordinatorState, pool: Any) -> StrandIndex | None:
+    """The stranded-eviction index, emptied if vLLM replaced the pool's hash map; None if
+    there is none or it gave up."""
+    index = state.stranded
+    if index is None or index.gave_up:
+        return None
+    if index.cached_map is not pool.cached_block_hash_to_block:
+        index.cached_map = pool.cached_block_hash_to_block
+        index.parent.clear()
+        index.below.clear()
+        index.states.clear()
+    return index
+
+
+def _register_states(coordinator: Any, state: CoordinatorState, request: Any, start: int,
+                     stop: int | None = None) -> None:
+    """Count the states ``request`` has cached in blocks ``start`` to ``stop`` (default: all
+    its cached ones) at every position of their path."""
+    pool = coordinator.block_pool
+    index = _current_index(state, pool)
+    if index is None:
+        return
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    manager = coordinator.single_type_managers[index.mamba_group]
+    request_id = request.request_id
+    blocks = manager.req_to_blocks.get(request_id, ())
+    hashes = request.block_hashes
+    end = min(manager.num_cached_block.get(request_id, 0), len(blocks), len(hashes))
+    below, parent = index.below, index.parent
+    for i in range(start, end if stop is None else min(stop, end)):
+        block = blocks[i]
+        if block.is_null or block.block_hash is None:
+            continue
+        position = get_block_hash(block.block_hash)
+        if position in index.states or position != hashes[i]:
+            continue
+        index.states.add(position)
+        for j in range(i, -1, -1):
+            node = hashes[j]
+            below[node] = below.get(node, 0) + 1
+            parent[node] = hashes[j - 1] if j else None
+    if len(below) > index.limit:
+        index.gave_up = True  # blocks then wait for their LRU turn, as in vLLM
+        index.parent.clear()
+        index.below.clear()
+        index.states.clear()
+        trace_event("stranded_eviction_gave_up", positions=index.limit)
+
+
+def _strand(pool: Any, index: StrandIndex, position: Any) -> None:
+    """The registered state at ``position`` left the cache: every position on its path counts
+    one state fewer; the attention blocks of those left with none are evicted."""
+    index.states.discard(position)
+    below, parent = index.below, index.parent
+    stranded: list[Any] = []
+    node = position
+    while node is not None:
+        count = below.get(node)
+        if count is None:
+            break
+        up = parent.get(node)
+        if count > 1:
+            below[node] = count - 1
+        else:
+            del below[node]
+            parent.pop(node, None)
+            stranded.append(node)
+        node = up
+    if stranded:
+        _evict_positions(pool, index, stranded)
+
+
+def _evict_past_states(pool: Any, state: CoordinatorState,
+                       groups: list[tuple[int, list[Any]]]) -> None:
+    """After ``free``: the request's attention blocks past every registered state (its last
+    blocks back to the first position that still leads to a state) are evicted, those nothing
+    else holds."""
+    index = _current_index(state, pool)
+    if index is None:
+        return
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    stranded: list[Any] = []
+    for block in reversed(groups[index.attention_groups[0]][1]):
+        if block.block_hash is None:
+            if stranded:
+                break
+            continue  # the last, partial block
+        position = get_block_hash(block.block_hash)
+        if block.ref_cnt or position in index.below:
+            break
+        stranded.append(position)
+    if stranded:
+        _evict_positions(pool, index, stranded)
+
+
+def _evict_positions(pool: Any, index: StrandIndex, positions: list[Any]) -> None:
+    """Evict the free attention blocks at ``positions`` (deepest first) and move them to the
+    front of the free queue; stop at a position where a Mamba state is cached (one the index
+    never saw: it, and the path to it, stay)."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    cached = pool.cached_block_hash_to_block
+    extra_keys = getattr(pool, "cached_block_hashes_by_block", None) or {}
+    queue = pool.free_block_queue
+    gone = []
+    for position in positions:
+        if cached.get_one_block(make_block_hash_with_group_id(position,
+                                                               index.mamba_group)) is not None:
+            break
+        for group in index.attention_groups:
+            key = make_block_hash_with_group_id(position, group)
+            block = cached.get_one_block(key)
+            if (block is None or block.ref_cnt or block.prev_free_block is None
+                    or block.block_hash != key or extra_keys.get(block.block_id)):
+                continue
+            if index.evict_quietly(block):
+                queue.remove(block)
+                gone.append(block)
+    if gone:
+        queue.prepend_n(gone)
+
+
 def _count_evicted_blocks(pool: Any, state: CoordinatorState) -> None:
     """Wrap the pool's ``_maybe_evict_cached_block`` (on the instance, once per pool, before
     coherent eviction wraps it) to count every cached block evicted, in any group
@@ -1016,7 +1226,7 @@ def _count_evicted_blocks(pool: Any, state: CoordinatorState) -> None:
     states coherent eviction takes along and duplicate copies evicted; a kind's value counts
     the blocks of every group too. Runs per block vLLM takes from the free queue."""
     state.counted_pool = pool
-    original = pool._maybe_evict_cached_block
+    original = state.evict_uncounted = pool._maybe_evict_cached_block
     ledger = state.ledger
 
     def maybe_evict_cached_block(block: Any) -> bool:
@@ -1117,6 +1327,8 @@ def _record_hit(self: Any, result: Any, block_hashes: Any, max_cache_hit_length:
     if (state.counted_pool is not self.block_pool and policy.adaptive_retention
             and policy.value_retention):
         _count_evicted_blocks(self.block_pool, state)  # inside coherent eviction's wrapper
+    if not state.strands_checked and policy.stranded_eviction:
+        _evict_stranded(self, state)  # inside coherent eviction's wrapper: sees the states
     if not state.evicts_coherently and policy.coherent_eviction:
         _evict_coherently(self, state)  # before anything this cache holds is evicted
     if (state.duplicates_map is not self.block_pool.cached_block_hash_to_block
@@ -1176,6 +1388,8 @@ def free(self: Any, request_id: str) -> None:
         groups = [(manager.block_size, manager.pop_blocks_for_free(request_id))
                   for manager in self.single_type_managers]
         self.block_pool.free_blocks(align.suffix_eviction_order(groups))
+        if state.stranded is not None:
+            _evict_past_states(self.block_pool, state, groups)
     if request_id in state.kept_states:
         _release_probation(state, self.block_pool, request_id, finished=True)
         if not state.kept_states:  # the last holder: the release wrapper has nothing to do
@@ -1221,8 +1435,10 @@ def keep_resume_state(self: Any, request: Any) -> bool:
             self.block_pool.cache_full_blocks(request, row, index, index + 1, size,
                                               self.single_type_managers.index(manager))
     block = rows[0][index]
-    state_of(self).ledger.record_kept(align.RESUME, block.block_id, block.block_hash,
-                                      len(managers))
+    state = state_of(self)
+    if state.stranded is not None:
+        _register_states(self, state, request, index, index + 1)
+    state.ledger.record_kept(align.RESUME, block.block_id, block.block_hash, len(managers))
     if stats.enabled:
         stats.record_kept(align.RESUME, block)
     return True
