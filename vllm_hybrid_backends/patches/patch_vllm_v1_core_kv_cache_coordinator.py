@@ -11,7 +11,8 @@ finished request's cached prefix from its end, all groups together.
   outside vLLM that overrides it, such as vllm-ascend's ``AscendHybridKVCacheCoordinator``:
   wrapped again at engine start, :func:`wrap_subclass_hit_searches`); the block pool's
   ``_maybe_evict_cached_block`` and its ``cached_block_hash_to_block.insert``, on the pool
-  instance (coherent and duplicate eviction, below).
+  instance (coherent, stranded and duplicate eviction, below), and the coordinator's
+  ``find_longest_cache_hit_per_group`` on the instance (stranded eviction gives up there).
 - Why: with the default ``prefix_cache_retention_interval=0`` vLLM hashes (keeps) a Mamba state
   only at the prompt's replay boundary and a shared-prefix junction; every other state is freed
   unhashed, so the tail checkpoints the scheduler patch stops at, and the states crossed while
@@ -114,6 +115,21 @@ finished request's cached prefix from its end, all groups together.
   that free copy is evicted and goes to the front of the free queue. A hybrid hit ends at the
   deepest Mamba state, so requests recompute attention blocks the cache still holds past it;
   vLLM keeps both copies, the older one until its LRU turn.
+- Stranded eviction (``VLLM_HYBRID_STRANDED_EVICTION``, issue 15 item 2): a full-attention
+  block with no Mamba state cached at or past it on its path can serve no hit (a lookup stops
+  at the deepest state; a request reaching that block recomputes it and caches its own copy),
+  yet vLLM keeps it until its LRU turn. A :class:`StrandIndex` counts, per position (block
+  hash), the states cached at or past it: ``cache_blocks`` registers each state vLLM caches
+  (and a resume state), the pool's ``_maybe_evict_cached_block`` (wrapped on the instance,
+  inside coherent eviction's wrapper) unregisters one that goes, and the free attention blocks
+  of the positions left with none join the probation segment; ``free`` sends the request's
+  blocks past every state there. They stay cached for vLLM's shared-prefix detection (an
+  attention hit past the state marks a junction) until an allocation would otherwise evict a
+  block at its LRU place. The hash map's ``insert`` (wrapped on the instance) notes every state
+  cached: one that no registration saw makes the index give up (LRU, as in vLLM); so do
+  per-group hit lookups (a KV connector supplying the state). Refused with EAGLE, outside align
+  mode, ``prefix_match_unit`` below the block, coarser hit alignment, or groups of different
+  block sizes.
 - Passed states (``VLLM_HYBRID_PASSED_STATES``, issue 15 items 2-3): on a request's first
   cached chunk (:func:`_pass_on_hit_state`), vLLM's state its prefix hit ended on, if the
   request goes on past it, becomes the ledger's kind ``passed``; while the ledger refuses that
@@ -205,8 +221,6 @@ class StrandIndex:
     #: the first Mamba group: its block at a position marks a state there
     mamba_group: int
     attention_groups: tuple[int, ...]
-    #: the pool's eviction, not counted by the ledger (a stranded block costs no hit)
-    evict_quietly: Any
     #: index size at which it gives up (memory bound; a stale index only keeps blocks cached)
     limit: int
     #: hash -> the hash before it, on the path of a registered state (None: the first block)
@@ -215,6 +229,8 @@ class StrandIndex:
     below: dict[Any, int] = field(default_factory=dict)
     #: hashes of the registered states
     states: set[Any] = field(default_factory=set)
+    #: states of the first Mamba group cached (``insert``) and not registered since
+    unregistered: set[Any] = field(default_factory=set)
     gave_up: bool = False
 
 
@@ -277,8 +293,6 @@ class CoordinatorState:
     #: The pool's hash map whose ``insert`` evicts a free copy of a full attention block
     #: (:func:`_evict_duplicates`); None: not installed.
     duplicates_map: Any = None
-    #: the pool's eviction as it was before the ledger counted it (stranded blocks are free)
-    evict_uncounted: Any = None
     #: Stranded eviction's index (:func:`_evict_stranded`); None: not installed (or refused).
     stranded: StrandIndex | None = None
     #: Whether :func:`_evict_stranded` ran (installed or refused) for this cache.
@@ -860,6 +874,8 @@ def _cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: i
     if taken:
         memo[_TAKEN_BY_CHECKPOINT] = taken
     before = managers[0].num_cached_block.get(request.request_id, 0)
+    if not state.strands_checked and policy.stranded_eviction:
+        _evict_stranded(self, state)  # a request that skips the lookup caches first
     with _keeping_boundaries(request, policy, memo, state.ledger):
         original(self, request, num_computed_tokens)
     if state.stranded is not None:
@@ -1044,18 +1060,26 @@ def _evict_duplicates(coordinator: Any, state: CoordinatorState) -> None:
 
 def _evict_stranded(coordinator: Any, state: CoordinatorState) -> None:
     """Stranded eviction (``VLLM_HYBRID_STRANDED_EVICTION``): a full-attention block with no
-    Mamba state cached at or past it on its path cannot serve a hit again (a lookup stops at
-    the deepest state; the request recomputes past it and caches its own copy), so it is
-    evicted at once and joins the uncached free blocks. An index (:class:`StrandIndex`) counts,
-    per position, the states registered at or past it: :func:`_register_states` when vLLM
-    caches a state, the pool's ``_maybe_evict_cached_block`` (wrapped here on the instance,
-    inside coherent eviction's wrapper) when one goes, :func:`_strand` then evicting the
-    positions left with none; :func:`_evict_past_states` when a request is freed, its blocks
-    past every state. Installed at the cache's first lookup; refused with EAGLE (a hit there
-    drops its last block), ``prefix_match_unit`` below the block (sub-block keys and states)
-    or groups of different block sizes. Per state cached or evicted: one walk of its path's
-    positions (dictionary updates); per request freed: a walk back over its blocks past its
-    last state; no per-step work."""
+    Mamba state cached at or past it on its path cannot serve a hit (a lookup stops at the
+    deepest state; a request reaching it recomputes it and caches its own copy). Its one use
+    left is vLLM's shared-prefix detection (the attention hit past the state marks a junction
+    where the next request keeps a state), so it is not evicted at once: it joins the
+    probation segment (:func:`_evict_first_among_cached`), evicted before every block at its
+    LRU place, and keeps its place while the pool has many uncached blocks free.
+
+    An index (:class:`StrandIndex`) counts, per position, the states cached at or past it:
+    :func:`_register_states` when vLLM caches a state, the pool's ``_maybe_evict_cached_block``
+    (wrapped here on the instance, inside coherent eviction's wrapper) when one goes, then
+    :func:`_strand` for the positions left with none; :func:`_evict_past_states` when a request
+    is freed, for its blocks past every state. The hash map's ``insert`` (wrapped on the
+    instance) notes every state cached, so one cached where nothing registers it makes the
+    index give up (its blocks then wait for their LRU turn, as in vLLM). Installed at the
+    cache's first lookup or caching; refused with EAGLE (a hit drops its last block), outside
+    align mode, with hits aligned coarser than the block or ``prefix_match_unit`` below it, or
+    groups of different block sizes; gives up once vLLM looks up hits per group for a KV
+    connector (the connector then supplies the state past the attention hit). Per state cached
+    or evicted: one walk of its path's positions (dictionary updates); per request freed: a
+    walk back over its blocks past its last state; nothing per step."""
     from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
@@ -1067,15 +1091,18 @@ def _evict_stranded(coordinator: Any, state: CoordinatorState) -> None:
     attention = [gid for gid, m in enumerate(managers) if type(m) is FullAttentionManager]
     pool = coordinator.block_pool
     sizes = {managers[gid].block_size for gid in (*mamba, *attention)}
-    if not mamba or not attention or len(sizes) != 1 or getattr(
-            pool, "hash_block_size", min(sizes)) not in sizes:
+    size = min(sizes, default=0)
+    if (not mamba or not attention or len(sizes) != 1
+            or getattr(pool, "hash_block_size", size) != size
+            or any(getattr(managers[gid], "cache_hit_alignment_tokens", 0) not in (0, size)
+                   or getattr(getattr(managers[gid], "kv_cache_spec", None), "mamba_cache_mode",
+                              "align") != "align" for gid in mamba)):
         trace_event("stranded_eviction_refused", groups=len(managers), block_sizes=sorted(sizes))
         return
     original = pool._maybe_evict_cached_block
-    index = state.stranded = StrandIndex(
-        pool.cached_block_hash_to_block, mamba[0], tuple(attention),
-        state.evict_uncounted if state.counted_pool is pool else original,
-        limit=4 * len(pool.blocks) + 1024)
+    index = state.stranded = StrandIndex(pool.cached_block_hash_to_block, mamba[0],
+                                         tuple(attention), limit=4 * len(pool.blocks) + 1024)
+    _watch_state_inserts(pool, index)
     mamba_group = mamba[0]
 
     def maybe_evict_cached_block(block: Any) -> bool:
@@ -1089,15 +1116,50 @@ def _evict_stranded(coordinator: Any, state: CoordinatorState) -> None:
                 position = get_block_hash(key)
                 if (position in index.states
                         and pool.cached_block_hash_to_block.get_one_block(key) is None):
-                    _strand(pool, index, position)
+                    _strand(pool, state, index, position)
         return True
 
     pool._maybe_evict_cached_block = maybe_evict_cached_block
+    per_group = getattr(coordinator, "find_longest_cache_hit_per_group", None)
+    if per_group is not None:
+        def find_longest_cache_hit_per_group(*args: Any, **kwargs: Any) -> Any:
+            _give_up(index, "per-group hits (KV connector)")
+            return per_group(*args, **kwargs)
+
+        coordinator.find_longest_cache_hit_per_group = find_longest_cache_hit_per_group
+
+
+def _watch_state_inserts(pool: Any, index: StrandIndex) -> None:
+    """Wrap the hash map's ``insert`` (on the instance) to note each state of the first Mamba
+    group cached at a position the index has not registered (:attr:`StrandIndex.unregistered`)."""
+    from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+    cached = pool.cached_block_hash_to_block
+    original = cached.insert
+
+    def insert(key: Any, block: Any) -> None:
+        original(key, block)
+        if get_group_id(key) == index.mamba_group:
+            position = get_block_hash(key)
+            if position not in index.states:
+                index.unregistered.add(position)
+
+    cached.insert = insert
+
+
+def _give_up(index: StrandIndex, why: str) -> None:
+    if not index.gave_up:
+        index.gave_up = True
+        index.parent.clear()
+        index.below.clear()
+        index.states.clear()
+        index.unregistered.clear()
+        trace_event("stranded_eviction_gave_up", why=why)
 
 
 def _current_index(state: CoordinatorState, pool: Any) -> StrandIndex | None:
-    """The stranded-eviction index, emptied if vLLM replaced the pool's hash map; None if
-    there is none or it gave up."""
+    """The stranded-eviction index, emptied (and the new map watched) if vLLM replaced the
+    pool's hash map; None if there is none or it gave up."""
     index = state.stranded
     if index is None or index.gave_up:
         return None
@@ -1106,13 +1168,16 @@ def _current_index(state: CoordinatorState, pool: Any) -> StrandIndex | None:
         index.parent.clear()
         index.below.clear()
         index.states.clear()
+        index.unregistered.clear()
+        _watch_state_inserts(pool, index)
     return index
 
 
 def _register_states(coordinator: Any, state: CoordinatorState, request: Any, start: int,
                      stop: int | None = None) -> None:
     """Count the states ``request`` has cached in blocks ``start`` to ``stop`` (default: all
-    its cached ones) at every position of their path."""
+    its cached ones) at every position of their path; give up if a state was cached that this
+    leaves unregistered."""
     pool = coordinator.block_pool
     index = _current_index(state, pool)
     if index is None:
@@ -1133,21 +1198,21 @@ def _register_states(coordinator: Any, state: CoordinatorState, request: Any, st
         if position in index.states or position != hashes[i]:
             continue
         index.states.add(position)
+        index.unregistered.discard(position)
         for j in range(i, -1, -1):
             node = hashes[j]
             below[node] = below.get(node, 0) + 1
             parent[node] = hashes[j - 1] if j else None
-    if len(below) > index.limit:
-        index.gave_up = True  # blocks then wait for their LRU turn, as in vLLM
-        index.parent.clear()
-        index.below.clear()
-        index.states.clear()
-        trace_event("stranded_eviction_gave_up", positions=index.limit)
+    if index.unregistered:
+        _give_up(index, "a state cached where no registration saw it")
+    elif len(below) > index.limit:
+        _give_up(index, "index size")
 
 
-def _strand(pool: Any, index: StrandIndex, position: Any) -> None:
+def _strand(pool: Any, state: CoordinatorState, index: StrandIndex, position: Any) -> None:
     """The registered state at ``position`` left the cache: every position on its path counts
-    one state fewer; the attention blocks of those left with none are evicted."""
+    one state fewer; the attention blocks of those left with none join the probation
+    segment."""
     index.states.discard(position)
     below, parent = index.below, index.parent
     stranded: list[Any] = []
@@ -1165,14 +1230,14 @@ def _strand(pool: Any, index: StrandIndex, position: Any) -> None:
             stranded.append(node)
         node = up
     if stranded:
-        _evict_positions(pool, index, stranded)
+        _demote_positions(pool, state, index, stranded)
 
 
 def _evict_past_states(pool: Any, state: CoordinatorState,
                        groups: list[tuple[int, list[Any]]]) -> None:
     """After ``free``: the request's attention blocks past every registered state (its last
-    blocks back to the first position that still leads to a state) are evicted, those nothing
-    else holds."""
+    blocks back to the first position that still leads to a state), those nothing else
+    holds, join the probation segment."""
     index = _current_index(state, pool)
     if index is None:
         return
@@ -1189,19 +1254,18 @@ def _evict_past_states(pool: Any, state: CoordinatorState,
             break
         stranded.append(position)
     if stranded:
-        _evict_positions(pool, index, stranded)
+        _demote_positions(pool, state, index, stranded)
 
 
-def _evict_positions(pool: Any, index: StrandIndex, positions: list[Any]) -> None:
-    """Evict the free attention blocks at ``positions`` (deepest first) and move them to the
-    front of the free queue; stop at a position where a Mamba state is cached (one the index
-    never saw: it, and the path to it, stay)."""
+def _demote_positions(pool: Any, state: CoordinatorState, index: StrandIndex,
+                      positions: list[Any]) -> None:
+    """Move the free attention blocks at ``positions`` (deepest first) to the probation
+    segment; stop at a position where a Mamba state is cached (it, and the path to it, stay)."""
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
     cached = pool.cached_block_hash_to_block
     extra_keys = getattr(pool, "cached_block_hashes_by_block", None) or {}
-    queue = pool.free_block_queue
-    gone = []
+    blocks = []
     for position in positions:
         if cached.get_one_block(make_block_hash_with_group_id(position,
                                                                index.mamba_group)) is not None:
@@ -1209,14 +1273,12 @@ def _evict_positions(pool: Any, index: StrandIndex, positions: list[Any]) -> Non
         for group in index.attention_groups:
             key = make_block_hash_with_group_id(position, group)
             block = cached.get_one_block(key)
-            if (block is None or block.ref_cnt or block.prev_free_block is None
-                    or block.block_hash != key or extra_keys.get(block.block_id)):
-                continue
-            if index.evict_quietly(block):
-                queue.remove(block)
-                gone.append(block)
-    if gone:
-        queue.prepend_n(gone)
+            if (block is not None and not block.ref_cnt and block.prev_free_block is not None
+                    and block.block_hash == key and not extra_keys.get(block.block_id)
+                    and not _on_probation(state, block)):
+                blocks.append(block)
+    if blocks:
+        _evict_first_among_cached(state, pool.free_block_queue, blocks)
 
 
 def _count_evicted_blocks(pool: Any, state: CoordinatorState) -> None:
@@ -1226,7 +1288,7 @@ def _count_evicted_blocks(pool: Any, state: CoordinatorState) -> None:
     states coherent eviction takes along and duplicate copies evicted; a kind's value counts
     the blocks of every group too. Runs per block vLLM takes from the free queue."""
     state.counted_pool = pool
-    original = state.evict_uncounted = pool._maybe_evict_cached_block
+    original = pool._maybe_evict_cached_block
     ledger = state.ledger
 
     def maybe_evict_cached_block(block: Any) -> bool:
