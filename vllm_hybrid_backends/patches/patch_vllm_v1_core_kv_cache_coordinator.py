@@ -225,7 +225,9 @@ class StrandIndex:
     limit: int
     #: hash -> the hash before it, on the path of a registered state (None: the first block)
     parent: dict[Any, Any] = field(default_factory=dict)
-    #: hash -> registered states cached at or past it on its path
+    #: hash of a position that leads to a registered state -> 1 if one is there, plus the
+    #: positions right after it that lead to one (each registration or removal walks only
+    #: until a position that led to one before, or still does)
     below: dict[Any, int] = field(default_factory=dict)
     #: hashes of the registered states
     states: set[Any] = field(default_factory=set)
@@ -1175,9 +1177,9 @@ def _current_index(state: CoordinatorState, pool: Any) -> StrandIndex | None:
 
 def _register_states(coordinator: Any, state: CoordinatorState, request: Any, start: int,
                      stop: int | None = None) -> None:
-    """Count the states ``request`` has cached in blocks ``start`` to ``stop`` (default: all
-    its cached ones) at every position of their path; give up if a state was cached that this
-    leaves unregistered."""
+    """Register the states ``request`` has cached in blocks ``start`` to ``stop`` (default:
+    all its cached ones): the positions of their path lead to a state; give up if a state was
+    cached that this leaves unregistered."""
     pool = coordinator.block_pool
     index = _current_index(state, pool)
     if index is None:
@@ -1199,9 +1201,12 @@ def _register_states(coordinator: Any, state: CoordinatorState, request: Any, st
             continue
         index.states.add(position)
         index.unregistered.discard(position)
-        for j in range(i, -1, -1):
+        for j in range(i, -1, -1):  # up to the first position that already led to a state
             node = hashes[j]
-            below[node] = below.get(node, 0) + 1
+            count = below.get(node, 0)
+            below[node] = count + 1
+            if count:
+                break
             parent[node] = hashes[j - 1] if j else None
     if index.unregistered:
         _give_up(index, "a state cached where no registration saw it")
@@ -1210,25 +1215,23 @@ def _register_states(coordinator: Any, state: CoordinatorState, request: Any, st
 
 
 def _strand(pool: Any, state: CoordinatorState, index: StrandIndex, position: Any) -> None:
-    """The registered state at ``position`` left the cache: every position on its path counts
-    one state fewer; the attention blocks of those left with none join the probation
+    """The registered state at ``position`` left the cache: it and the positions before it that
+    led to no other state no longer lead to one; their attention blocks join the probation
     segment."""
     index.states.discard(position)
     below, parent = index.below, index.parent
     stranded: list[Any] = []
     node = position
-    while node is not None:
+    while node is not None:  # up to the first position that still leads to a state
         count = below.get(node)
         if count is None:
             break
-        up = parent.get(node)
         if count > 1:
             below[node] = count - 1
-        else:
-            del below[node]
-            parent.pop(node, None)
-            stranded.append(node)
-        node = up
+            break
+        del below[node]
+        stranded.append(node)
+        node = parent.pop(node, None)
     if stranded:
         _demote_positions(pool, state, index, stranded)
 
