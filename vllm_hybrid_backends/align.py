@@ -46,11 +46,12 @@ per-request paths then read no environment variable):
   ``schedule()``, is in ``patch_vllm_v1_core_kv_cache_coordinator._evict_duplicates``).
 - ``VLLM_HYBRID_STRANDED_EVICTION`` (default 1): a full-attention block with no Mamba state
   cached at or past it on its path (the tail of a finished request past its last state, decoded
-  blocks vLLM keeps no state for; a path whose states were evicted) cannot serve a hit again: a
+  blocks vLLM keeps no state for, a path whose states were evicted) cannot serve a hit again: a
   request reaching it resumes from an earlier state and recomputes, caching its own copy. Such
-  blocks are evicted at once, with the uncached free blocks, instead of at their LRU turn
-  (public conversation trace, nemotron-h-8b, 2,000,000 tokens: one free attention block in
-  seven). Off with ``prefix_match_unit`` below the block, EAGLE, or Mamba blocks of another size.
+  blocks go to the probation segment, evicted before every block at its LRU place, instead of
+  waiting for their LRU turn; they stay cached while the pool has room, for vLLM's shared-prefix
+  detection. Off with ``prefix_match_unit`` below the block, EAGLE, outside align mode, or Mamba
+  blocks of another size.
 - ``VLLM_HYBRID_ADAPTIVE_RETENTION`` (default 1): keep tail and decode states only while
   states of that kind are being reused (:class:`RetentionLedger`); a kind that is not (decode
   states on agentic prompts that insert the answer before a fixed tail; tail states on chat
