@@ -286,7 +286,7 @@ def test_replay_under_pressure_moves_every_stranded_block_and_only_those(monkeyp
     monkeypatch.setenv(align.STRANDED_EVICTION_ENV, switch)
     align.refresh_policy()
     seen: list[Any] = []
-    paths: dict[int, list[bytes]] = {}
+    paths: dict[str, list[bytes]] = {}
     real_state_of = coordinator_patch.state_of
     real_demote = coordinator_patch._demote_positions
     real_cache = coordinator_patch._cache_blocks
@@ -297,7 +297,7 @@ def test_replay_under_pressure_moves_every_stranded_block_and_only_those(monkeyp
         return real_state_of(coordinator)
 
     def cache_blocks(original: Any, self: Any, request: Any, num_computed_tokens: int) -> None:
-        paths[id(request)] = request.block_hashes
+        paths[request.request_id] = request.block_hashes
         real_cache(original, self, request, num_computed_tokens)
 
     demoted: list[int] = []
