@@ -118,8 +118,8 @@ finished request's cached prefix from its end, all groups together.
 - Stranded eviction (``VLLM_HYBRID_STRANDED_EVICTION``, issue 15 item 2): a full-attention
   block with no Mamba state cached at or past it on its path can serve no hit (a lookup stops
   at the deepest state; a request reaching that block recomputes it and caches its own copy),
-  yet vLLM keeps it until its LRU turn. A :class:`StrandIndex` counts, per position (block
-  hash), the states cached at or past it: ``cache_blocks`` registers each state vLLM caches
+  yet vLLM keeps it until its LRU turn. A :class:`StrandIndex` records which positions (block
+  hashes) lead to a cached state: ``cache_blocks`` registers each state vLLM caches
   (and a resume state), the pool's ``_maybe_evict_cached_block`` (wrapped on the instance,
   inside coherent eviction's wrapper) unregisters one that goes, and the free attention blocks
   of the positions left with none join the probation segment; ``free`` sends the request's
@@ -1069,7 +1069,7 @@ def _evict_stranded(coordinator: Any, state: CoordinatorState) -> None:
     probation segment (:func:`_evict_first_among_cached`), evicted before every block at its
     LRU place, and keeps its place while the pool has many uncached blocks free.
 
-    An index (:class:`StrandIndex`) counts, per position, the states cached at or past it:
+    An index (:class:`StrandIndex`) records which positions lead to a cached state:
     :func:`_register_states` when vLLM caches a state, the pool's ``_maybe_evict_cached_block``
     (wrapped here on the instance, inside coherent eviction's wrapper) when one goes, then
     :func:`_strand` for the positions left with none; :func:`_evict_past_states` when a request
@@ -1080,8 +1080,9 @@ def _evict_stranded(coordinator: Any, state: CoordinatorState) -> None:
     align mode, with hits aligned coarser than the block or ``prefix_match_unit`` below it, or
     groups of different block sizes; gives up once vLLM looks up hits per group for a KV
     connector (the connector then supplies the state past the attention hit). Per state cached
-    or evicted: one walk of its path's positions (dictionary updates); per request freed: a
-    walk back over its blocks past its last state; nothing per step."""
+    or evicted: a walk back along its path until a position whose standing does not change
+    (dictionary updates); per request freed: a walk back over its blocks past its last state;
+    nothing per step."""
     from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
