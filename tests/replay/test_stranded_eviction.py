@@ -73,6 +73,14 @@ class Cache:
         self.per_group_calls.append(args)
         return "hits"
 
+    def finish(self, attention: list[Any]) -> None:
+        """What ``free`` does after freeing a request with these attention blocks."""
+        coordinator_patch._evict_past_states(self.pool, self.state,
+                                             [(4, attention), (4, []), (4, [])])
+
+    def on_probation(self, blocks: list[Any]) -> list[bool]:
+        return [coordinator_patch._on_probation(self.state, b) for b in blocks]
+
     def cached(self, block_hash: bytes, group: int = ATTENTION) -> bool:
         from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
@@ -119,14 +127,14 @@ def test_blocks_past_the_last_state_go_first_when_it_goes():
     cache.evict_state(h[3])
     # positions 2 and 3 lead to no state now: on probation, still cached (vLLM's shared-prefix
     # detection reads them); 0 and 1 lead to the state at 1
-    probation = [coordinator_patch._on_probation(cache.state, b) for b in attention]
-    assert probation == [False, False, True, True] and all(cache.cached(x) for x in h)
+    assert cache.on_probation(attention) == [False, False, True, True]
+    assert all(cache.cached(x) for x in h)
     taken = cache.pool.get_new_blocks(_uncached_at_head(cache.pool) + 2)
     assert {b.block_id for b in taken[-2:]} == {attention[2].block_id, attention[3].block_id}
     assert cache.cached(h[1]) and cache.cached(h[0]) and cache.cached(h[1], MAMBA_2)
     cache.pool.free_blocks(taken)
     cache.evict_state(h[1])
-    assert all(coordinator_patch._on_probation(cache.state, b) for b in attention[:2])
+    assert all(cache.on_probation(attention[:2]))
     assert cache.state.stranded.below == {} and cache.state.stranded.parent == {}
 
 
@@ -140,10 +148,9 @@ def test_a_shared_prefix_stays_while_another_branch_has_a_state():
     cache.pool.free_blocks(second)
     assert cache.state.stranded.below[a[1]] == 2
     cache.evict_state(a[3])
-    on_probation = [coordinator_patch._on_probation(cache.state, x) for x in first[:4]]
-    assert on_probation == [False, False, True, True]
+    assert cache.on_probation(first[:4]) == [False, False, True, True]
     cache.evict_state(b[3])
-    assert all(coordinator_patch._on_probation(cache.state, x) for x in first[:2] + second[2:4])
+    assert all(cache.on_probation(first[:2] + second[2:4]))
 
 
 def test_a_state_with_another_copy_cached_strands_nothing():
@@ -156,7 +163,7 @@ def test_a_state_with_another_copy_cached_strands_nothing():
     cache.pool.free_blocks(blocks + copy)
     cache.evict_state(h[1])  # one of the two copies
     assert cache.cached(h[1], MAMBA_1) and cache.state.stranded.states == {h[1]}
-    assert not any(coordinator_patch._on_probation(cache.state, b) for b in blocks[:2])
+    assert not any(cache.on_probation(blocks[:2]))
 
 
 def test_a_state_the_index_never_saw_makes_it_give_up():
@@ -168,7 +175,7 @@ def test_a_state_the_index_never_saw_makes_it_give_up():
     assert cache.state.stranded.gave_up  # the state at 1 was cached unseen
     cache.pool.free_blocks(blocks)
     cache.evict_state(h[3])
-    assert not any(coordinator_patch._on_probation(cache.state, b) for b in blocks)
+    assert not any(cache.on_probation(blocks))
     assert coordinator_patch._current_index(cache.state, cache.pool) is None
 
 
@@ -178,10 +185,8 @@ def test_a_finished_request_sends_its_blocks_past_its_states_first():
     blocks = cache.prompt("r", h, states=[1])
     attention = blocks[:5]
     cache.pool.free_blocks(blocks)
-    coordinator_patch._evict_past_states(cache.pool, cache.state,
-                                         [(4, attention), (4, []), (4, [])])
-    on_probation = [coordinator_patch._on_probation(cache.state, b) for b in attention]
-    assert on_probation == [False, False, True, True, True]
+    cache.finish(attention)
+    assert cache.on_probation(attention) == [False, False, True, True, True]
 
 
 def test_a_finished_request_on_another_request_s_path_keeps_its_blocks():
@@ -191,9 +196,8 @@ def test_a_finished_request_on_another_request_s_path_keeps_its_blocks():
     shorter = cache.prompt("short", h[:3], states=[], hit=longer[:3])
     cache.pool.free_blocks(longer)
     cache.pool.free_blocks(shorter)
-    coordinator_patch._evict_past_states(cache.pool, cache.state,
-                                         [(4, shorter), (4, []), (4, [])])
-    assert not any(coordinator_patch._on_probation(cache.state, b) for b in longer)
+    cache.finish(shorter)
+    assert not any(cache.on_probation(longer))
 
 
 def test_a_block_another_request_holds_stays_in_place():
@@ -204,9 +208,8 @@ def test_a_block_another_request_holds_stays_in_place():
     attention[2].ref_cnt += 1  # another running request's hit
     cache.pool.free_blocks(blocks)
     assert attention[2].ref_cnt == 1
-    coordinator_patch._evict_past_states(cache.pool, cache.state,
-                                         [(4, attention), (4, []), (4, [])])
-    assert not any(coordinator_patch._on_probation(cache.state, b) for b in attention)
+    cache.finish(attention)
+    assert not any(cache.on_probation(attention))
 
 
 def test_a_new_hash_map_starts_the_index_over():
