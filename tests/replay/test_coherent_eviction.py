@@ -258,6 +258,7 @@ def test_a_key_ending_inside_the_block_evicts_no_copy():
 @pytest.mark.parametrize("switch", ["1", "0"])
 def test_the_switch_installs_the_hook_at_the_first_lookup(monkeypatch, switch):
     monkeypatch.setenv(align.DUPLICATE_EVICTION_ENV, switch)
+    monkeypatch.setenv(align.STRANDED_EVICTION_ENV, "0")  # it watches the map's insert too
     align.refresh_policy()
     try:
         coordinator, _ = _replayed_coordinator(monkeypatch)
@@ -266,6 +267,7 @@ def test_the_switch_installs_the_hook_at_the_first_lookup(monkeypatch, switch):
         assert installed == (switch == "1") and ("insert" in vars(pool_map)) == installed
     finally:
         monkeypatch.delenv(align.DUPLICATE_EVICTION_ENV)
+        monkeypatch.delenv(align.STRANDED_EVICTION_ENV)
         align.refresh_policy()
 
 
