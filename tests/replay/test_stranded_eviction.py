@@ -75,7 +75,7 @@ class Cache:
 
     def finish(self, attention: list[Any]) -> None:
         """What ``free`` does after freeing a request with these attention blocks."""
-        coordinator_patch._evict_past_states(self.pool, self.state,
+        coordinator_patch._demote_past_states(self.pool, self.state,
                                              [(4, attention), (4, []), (4, [])])
 
     def on_probation(self, blocks: list[Any]) -> list[bool]:

@@ -235,6 +235,12 @@ class StrandIndex:
     unregistered: set[Any] = field(default_factory=set)
     gave_up: bool = False
 
+    def clear(self) -> None:
+        self.parent.clear()
+        self.below.clear()
+        self.states.clear()
+        self.unregistered.clear()
+
 
 @dataclass
 class CoordinatorState:
@@ -1072,7 +1078,7 @@ def _evict_stranded(coordinator: Any, state: CoordinatorState) -> None:
     An index (:class:`StrandIndex`) records which positions lead to a cached state:
     :func:`_register_states` when vLLM caches a state, the pool's ``_maybe_evict_cached_block``
     (wrapped here on the instance, inside coherent eviction's wrapper) when one goes, then
-    :func:`_strand` for the positions left with none; :func:`_evict_past_states` when a request
+    :func:`_strand` for the positions left with none; :func:`_demote_past_states` when a request
     is freed, for its blocks past every state. The hash map's ``insert`` (wrapped on the
     instance) notes every state cached, so one cached where nothing registers it makes the
     index give up (its blocks then wait for their LRU turn, as in vLLM). Installed at the
@@ -1153,10 +1159,7 @@ def _watch_state_inserts(pool: Any, index: StrandIndex) -> None:
 def _give_up(index: StrandIndex, why: str) -> None:
     if not index.gave_up:
         index.gave_up = True
-        index.parent.clear()
-        index.below.clear()
-        index.states.clear()
-        index.unregistered.clear()
+        index.clear()
         trace_event("stranded_eviction_gave_up", why=why)
 
 
@@ -1168,10 +1171,7 @@ def _current_index(state: CoordinatorState, pool: Any) -> StrandIndex | None:
         return None
     if index.cached_map is not pool.cached_block_hash_to_block:
         index.cached_map = pool.cached_block_hash_to_block
-        index.parent.clear()
-        index.below.clear()
-        index.states.clear()
-        index.unregistered.clear()
+        index.clear()
         _watch_state_inserts(pool, index)
     return index
 
@@ -1191,9 +1191,13 @@ def _register_states(coordinator: Any, state: CoordinatorState, request: Any, st
     request_id = request.request_id
     blocks = manager.req_to_blocks.get(request_id, ())
     hashes = request.block_hashes
-    end = min(manager.num_cached_block.get(request_id, 0), len(blocks), len(hashes))
+    end = min(len(blocks), len(hashes))
+    if stop is None:
+        end = min(manager.num_cached_block.get(request_id, 0), end)
+    else:  # a resume state: hashed here by ``cache_full_blocks``, not counted by the manager
+        end = min(stop, end)
     below, parent = index.below, index.parent
-    for i in range(start, end if stop is None else min(stop, end)):
+    for i in range(start, end):
         block = blocks[i]
         if block.is_null or block.block_hash is None:
             continue
@@ -1237,7 +1241,7 @@ def _strand(pool: Any, state: CoordinatorState, index: StrandIndex, position: An
         _demote_positions(pool, state, index, stranded)
 
 
-def _evict_past_states(pool: Any, state: CoordinatorState,
+def _demote_past_states(pool: Any, state: CoordinatorState,
                        groups: list[tuple[int, list[Any]]]) -> None:
     """After ``free``: the request's attention blocks past every registered state (its last
     blocks back to the first position that still leads to a state), those nothing else
@@ -1455,7 +1459,7 @@ def free(self: Any, request_id: str) -> None:
                   for manager in self.single_type_managers]
         self.block_pool.free_blocks(align.suffix_eviction_order(groups))
         if state.stranded is not None:
-            _evict_past_states(self.block_pool, state, groups)
+            _demote_past_states(self.block_pool, state, groups)
     if request_id in state.kept_states:
         _release_probation(state, self.block_pool, request_id, finished=True)
         if not state.kept_states:  # the last holder: the release wrapper has nothing to do
