@@ -18,6 +18,10 @@ orders, all over the same items:
   the cache); the rest are evicted first (SLRU, SGLang-style two lists).
 - ``lineage``: a request whose prefix was cached once but was evicted (its predecessor came back
   too late) is expected to come back too late again: its items go in front of the LRU order.
+- ``size-aware``: GreedyDual-Size (Marconi's FLOP-aware utility in its simplest form): a
+  request's items get the priority ``clock + blocks / (blocks + state blocks)``, the prefill its
+  state saves per block it holds; the lowest goes first and sets the clock. Without states
+  (``--attention-only``) it is LRU.
 
 The question it answers for issue 15 item 2: is there a value order for vLLM's own blocks and
 states worth building? ``offline`` far above ``lru`` says the future would pay; an online order
@@ -32,9 +36,9 @@ import json
 import os
 import sys
 from collections import OrderedDict, defaultdict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-POLICIES = ("lru", "offline", "two-segment", "lineage")
+POLICIES = ("lru", "offline", "two-segment", "lineage", "size-aware")
 PROTECTED_SHARE = 0.8
 NEVER = sys.maxsize
 
@@ -46,6 +50,7 @@ class Request(NamedTuple):
     hit_limit: int               # most blocks a hit may cover (prompt less one token)
     prompt_tokens: int
     block: int
+    output_tokens: int
 
 
 def block_hashes(tokens: list[int], block: int) -> tuple[int, ...]:
@@ -66,7 +71,8 @@ def arrival_order(trace) -> list:
 
 def requests_of(trace, block: int) -> list[Request]:
     return [Request(block_hashes(r.prompt_token_ids, block),
-                    (len(r.prompt_token_ids) - 1) // block, len(r.prompt_token_ids), block)
+                    (len(r.prompt_token_ids) - 1) // block, len(r.prompt_token_ids), block,
+                    r.max_tokens)
             for r in arrival_order(trace)]
 
 
@@ -203,6 +209,32 @@ class Offline:
                 self.used -= entry[1]
 
 
+class SizeAware:
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.used, self.clock, self.sequence = capacity, 0, 0.0, 0
+        self.items: dict[Key, tuple[float, int, int]] = {}   # priority, cost, sequence
+        self.heap: list[tuple[float, int, Key]] = []
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.items
+
+    def store(self, index: int, items, hit: int, reachable: int, saving: float) -> None:
+        for key, cost in items:
+            old = self.items.get(key)
+            priority = max(self.clock + saving, old[0] if old else 0.0)
+            self.used += cost - (old[1] if old else 0)
+            self.sequence += 1
+            self.items[key] = (priority, cost, self.sequence)
+            heapq.heappush(self.heap, (priority, self.sequence, key))
+        while self.used > self.capacity:
+            priority, sequence, key = heapq.heappop(self.heap)
+            entry = self.items.get(key)
+            if entry is not None and entry[2] == sequence:
+                del self.items[key]
+                self.used -= entry[1]
+                self.clock = priority
+
+
 def simulate(requests: list[Request], capacity_blocks: int, state_blocks: int,
              policy: str) -> float:
     """Token hit rate of ``policy`` over ``requests`` in a cache of ``capacity_blocks``."""
@@ -211,8 +243,9 @@ def simulate(requests: list[Request], capacity_blocks: int, state_blocks: int,
     if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or \
             capacity_blocks < 1:
         raise ValueError(f"capacity must be a block count >= 1, got {capacity_blocks!r}")
-    cache = Offline(capacity_blocks, requests) if policy == "offline" else \
-        {"lru": LRU, "two-segment": TwoSegment, "lineage": Lineage}[policy](capacity_blocks)
+    cache: Any = Offline(capacity_blocks, requests) if policy == "offline" else \
+        {"lru": LRU, "two-segment": TwoSegment, "lineage": Lineage,
+         "size-aware": SizeAware}[policy](capacity_blocks)
     seen: set[Key] = set()
     states = state_blocks > 0
     hit_tokens = 0
@@ -222,9 +255,50 @@ def simulate(requests: list[Request], capacity_blocks: int, state_blocks: int,
         hit_tokens += hit * request.block
         items = stored_items(request, state_blocks)
         seen.update(key for key, _ in items)
-        cache.store(index, items, hit, reachable)
+        if policy == "size-aware":
+            depth = len(request.blocks)
+            cache.store(index, items, hit, reachable, depth / (depth + state_blocks or 1))
+        else:
+            cache.store(index, items, hit, reachable)
     prompt_tokens = sum(r.prompt_tokens for r in requests)
     return hit_tokens / prompt_tokens if prompt_tokens else 0.0
+
+
+def _quartile(value: int, edges: list[int]) -> str:
+    for number, edge in enumerate(edges, start=1):
+        if value <= edge:
+            return f"q{number} (<= {edge:,})"
+    return f"q4 (> {edges[-1]:,})"
+
+
+def reuse_by_feature(requests: list[Request]) -> dict[str, dict[str, list[int]]]:
+    """Per feature an online order could see when a request's state is stored, and per value:
+    ``[states, read again]`` (a later request's blocks pass through the state's block)."""
+    readers: dict[int, int] = {}
+    for index, request in enumerate(requests):
+        for h in request.blocks:
+            readers[h] = index                      # the last reader
+    prompts = sorted(r.prompt_tokens for r in requests)
+    outputs = sorted(r.output_tokens for r in requests)
+    prompt_edges = [prompts[len(prompts) * k // 4] for k in (1, 2, 3)]
+    output_edges = [outputs[len(outputs) * k // 4] for k in (1, 2, 3)]
+    table: dict[str, dict[str, list[int]]] = defaultdict(dict)
+    seen: set[Key] = set()
+    for index, request in enumerate(requests):
+        if not request.blocks:
+            continue
+        reused = readers[request.blocks[-1]] > index
+        shared = hit_blocks(request, seen, False)
+        for feature, value in (
+                ("all", "all"),
+                ("prefix seen before", "yes" if shared else "no"),
+                ("prompt tokens", _quartile(request.prompt_tokens, prompt_edges)),
+                ("output tokens", _quartile(request.output_tokens, output_edges))):
+            counts = table[feature].setdefault(value, [0, 0])
+            counts[0] += 1
+            counts[1] += reused
+        seen.update(("a", h) for h in request.blocks)
+    return {feature: dict(sorted(values.items())) for feature, values in table.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-tokens", default="2000000", help="comma-separated token counts")
     parser.add_argument("--attention-only", action="store_true",
                         help="no Mamba states: hits at any cached prefix")
+    parser.add_argument("--reuse", action="store_true",
+                        help="also: how often a stored state is read again, by what an online "
+                             "order sees when it is stored")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     try:
@@ -268,8 +345,14 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print(f"{tokens:>12,d} tokens  " + "  ".join(f"{p} {row[p]:.4f}" for p in POLICIES),
                   file=sys.stderr)
+    reuse = reuse_by_feature(requests) if args.reuse else None
+    if reuse and not args.json:
+        for feature, values in reuse.items():
+            print(f"{feature}: " + ", ".join(f"{value} {read}/{states} read again"
+                                            for value, (states, read) in values.items()),
+                  file=sys.stderr)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"rows": rows, "reuse": reuse} if reuse else rows, indent=1))
     return 0
 
 

@@ -75,3 +75,29 @@ def test_bad_input_names_the_value(load_bench, policy, capacity, message):
     requests = bench.requests_of(_trace(_blocks(1, 2)), BLOCK)
     with pytest.raises(ValueError, match=message):
         bench.simulate(requests, capacity, 1, policy)
+
+
+def test_size_aware_keeps_the_state_that_saves_more_per_block_and_is_lru_without_states(load_bench):
+    bench = load_bench("eviction_headroom")
+    # A four-block conversation and a one-block one take turns; the cache (6 blocks, a state
+    # costs one) holds the long one's path and state (5) or the short one's (2), not both.
+    long_, short = _blocks(1, 2, 3, 4) + [9], _blocks(7) + [9]
+    requests = bench.requests_of(_trace(*[long_, short] * 4), BLOCK)
+    assert bench.simulate(requests, 6, 1, "lru") == 0.0
+    size_aware = bench.simulate(requests, 6, 1, "size-aware")
+    total = 4 * (len(long_) + len(short))
+    assert size_aware == pytest.approx(3 * 4 * BLOCK / total)   # the long one, rounds 2-4
+    for capacity in (3, 6, 9, 40):
+        assert bench.simulate(requests, capacity, 0, "size-aware") == \
+            bench.simulate(requests, capacity, 0, "lru"), capacity
+
+
+def test_reuse_counts_a_state_read_again_by_what_was_seen_when_it_was_stored(load_bench):
+    bench = load_bench("eviction_headroom")
+    # r0's state (at b) is passed by r2; r1's (at d) by nobody; r2 starts on r0's blocks.
+    requests = bench.requests_of(_trace(_blocks(1, 2) + [9], _blocks(4) + [9],
+                                        _blocks(1, 2, 3) + [9], [5]), BLOCK)
+    reuse = bench.reuse_by_feature(requests)
+    assert reuse["all"] == {"all": [3, 1]}               # r3 has no full block, no state
+    assert reuse["prefix seen before"] == {"no": [2, 1], "yes": [1, 0]}
+    assert sum(states for states, _ in reuse["prompt tokens"].values()) == 3
