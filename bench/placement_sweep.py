@@ -6,6 +6,7 @@
     python bench/placement_sweep.py --capacities 65536 --seeds 0,1,2,3   # each row per seed
     python bench/placement_sweep.py --prefix-match-unit 16   # sub-block hits, both policies
     python bench/placement_sweep.py --time-scales 0.96,0.98,1,1.02,1.04   # mean over schedules
+    python bench/placement_sweep.py --prefix-cache-retention-interval dense   # vLLM's dense states
 
 Each row replays one workload on one model shape at one KV capacity (tokens) through vLLM's
 real scheduler, upstream and plugin (report.compare_policies, the same runs as `replay`).
@@ -25,6 +26,8 @@ factor, as ``replay --time-scale`` does: in a pool that preempts, a 2% change in
 which request finds its prefix cached, for upstream as much as for the plugin, so one schedule
 cannot tell a loss from luck. The row's rates are then each policy's mean over the factors
 (``by_time_scale`` has each), its counts the sums, and ``--check`` compares the means.
+``--prefix-cache-retention-interval N|dense`` sets vLLM's retention for both policies (the
+states vLLM itself keeps: 0, its default, the replay boundary and junctions only).
 """
 
 from __future__ import annotations
@@ -44,19 +47,24 @@ DEFAULT_CAPACITIES = (65_536, 131_072, 262_144, 2_000_000)
 
 def sweep_row(workload: str, shape: str, cache_tokens: int, seed: int = 0,
               prefix_match_unit: int | None = None,
-              time_scales: Sequence[float] = (1.0,)) -> dict[str, Any]:
+              time_scales: Sequence[float] = (1.0,),
+              retention_interval: int | None = 0) -> dict[str, Any]:
     """One row; with several ``time_scales`` each policy's rates are its mean over the
     workload replayed with its arrival times scaled by each, and counts are summed."""
     from vllm_hybrid_backends.replay.harness import ReplayConfig
     from vllm_hybrid_backends.replay.workloads import make_workload, scale_arrivals
 
     config = ReplayConfig(model_shape=shape, cache_tokens=cache_tokens,
-                          prefix_match_unit=prefix_match_unit)
+                          prefix_match_unit=prefix_match_unit,
+                          retention_interval=retention_interval)
     trace = make_workload(workload, block_size=config.layout().block_size, seed=seed)
     started = time.perf_counter()
     runs = [_replay_row(scale_arrivals(trace, scale), config) for scale in time_scales]
     row = {"workload": workload, "model_shape": shape, "cache_tokens": cache_tokens,
            "seed": seed, **_combine(runs)}
+    if retention_interval != 0:
+        row["prefix_cache_retention_interval"] = \
+            "dense" if retention_interval is None else retention_interval
     if list(time_scales) != [1.0]:
         row["time_scales"] = list(time_scales)
         row["by_time_scale"] = [{"time_scale": scale, "upstream": round(run["upstream"], 4),
@@ -77,7 +85,8 @@ def _replay_row(trace: Any, config: Any) -> dict[str, Any]:
     at_unit: dict[str, Any] = {}
     runs = [up, plug]
     if config.prefix_match_unit is not None:
-        at_block = ReplayConfig(model_shape=config.model_shape, cache_tokens=config.cache_tokens)
+        at_block = ReplayConfig(model_shape=config.model_shape, cache_tokens=config.cache_tokens,
+                                retention_interval=config.retention_interval)
         block = compare_policies(trace, at_block, ["upstream", "plugin"]).policies
         at_unit = {"prefix_match_unit": config.prefix_match_unit, "upstream_at_unit": upstream,
                    "plugin_at_unit": plugin,
@@ -193,6 +202,18 @@ def seed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for (w, s, c), deltas in grouped.items()]
 
 
+def _retention(text: str) -> int | None:
+    if text == "dense":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"an integer >= 0 or 'dense', got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     from vllm_hybrid_backends.replay.shapes import MODEL_SHAPES
     from vllm_hybrid_backends.replay.workloads import WORKLOADS
@@ -215,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-scales", type=_time_scales, default=[1.0], metavar="X,Y,...",
                         help="replay each row with its arrival times scaled by each factor "
                              "(replay --time-scale) and compare the policies' mean hit rates")
+    parser.add_argument("--prefix-cache-retention-interval", type=_retention, default=0,
+                        metavar="N|dense",
+                        help="vLLM's prefix_cache_retention_interval for both policies "
+                             "(replay --prefix-cache-retention-interval; default 0, vLLM's)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if plugin < upstream, a state mismatch or a leak occurs")
@@ -237,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         for shape in shapes:
             for capacity in args.capacities:
                 for seed in args.seeds:
-                    row = sweep_row(workload, shape, capacity, seed, unit, args.time_scales)
+                    row = sweep_row(workload, shape, capacity, seed, unit, args.time_scales,
+                                    args.prefix_cache_retention_interval)
                     rows.append(row)
                     problems = row_problems(row)
                     if problems:

@@ -72,3 +72,10 @@ def test_runs_at_several_time_scales_average_rates_and_sum_counts():
     assert row["requests_versus_upstream"] == {"against": "upstream", "requests_fewer": 3}
     assert (row["state_mismatches"], row["blocks_leaked"]) == (2, 0)
     assert (row["block_size"], row["num_blocks"]) == (1040, 64)
+
+
+def test_a_bad_retention_interval_is_refused_naming_it():
+    proc = subprocess.run([sys.executable, str(BENCH), "--prefix-cache-retention-interval",
+                           "sometimes"], capture_output=True, text=True, check=False, timeout=120)
+    assert proc.returncode == 2
+    assert "an integer >= 0 or 'dense', got 'sometimes'" in proc.stderr, proc.stderr

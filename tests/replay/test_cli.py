@@ -135,6 +135,20 @@ def test_bad_prefix_match_units_are_refused(value, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("value", "message"), [
+    pytest.param("100", "--prefix-cache-retention-interval 100: vLLM needs 0 (its default), a "
+                 "multiple of the block size (544 tokens here) or dense", id="off-the-grid"),
+    pytest.param("often", "--prefix-cache-retention-interval must be an integer >= 0 or "
+                 "'dense', got 'often'", id="not-a-number"),
+    pytest.param("-544", "--prefix-cache-retention-interval must be an integer >= 0 or "
+                 "'dense', got '-544'", id="negative"),
+])
+def test_bad_retention_intervals_are_refused(value, message, capsys):
+    assert main(["replay", "--workload", "short",
+                 f"--prefix-cache-retention-interval={value}"]) == 2
+    assert message in capsys.readouterr().err
+
+
 def _conversation_trace(tmp_path):
     # Conversations in the Mooncake format: each turn repeats the previous turn's units.
     lines, stamp = [], 0

@@ -15,7 +15,10 @@ import pytest
 
 from vllm_hybrid_backends import hookimpl, plugins, reference
 from vllm_hybrid_backends.compat import has_mamba2_prefill_checkpoint, version_allows
-from vllm_hybrid_backends.replay.engine_config import vllm_has_prefix_match_unit
+from vllm_hybrid_backends.replay.engine_config import (
+    vllm_has_prefix_match_unit,
+    vllm_has_retention_interval,
+)
 from vllm_hybrid_backends.replay.harness import ReplayConfig, ReplayError, run_replay
 from vllm_hybrid_backends.replay.metrics import ideal_hits, policy_metrics
 from vllm_hybrid_backends.replay.policy import get_policy
@@ -337,6 +340,37 @@ def test_an_evicted_mamba_state_is_counted_and_attributed_as_evicted():
     # Boundaries 8..32 never had a state (upstream keeps the prompt's last one only); the
     # state at 40 existed and was evicted: kept, it gives all 40 tokens (capacity, not placement).
     assert hybrid.requests["b"].miss_chunks == {"evicted": 40}
+
+
+@pytest.mark.skipif(not vllm_has_retention_interval(), reason=(
+    "this vLLM has no CacheConfig.prefix_cache_retention_interval (added in 0.32)"))
+@pytest.mark.parametrize(("shared", "expected"), [
+    # a's 44-token prompt runs in 16-token chunks: vLLM computes states at 16, 32 and 40
+    pytest.param(24, {0: 0, 32: 0, None: 16}, id="branch-at-24"),
+    pytest.param(36, {0: 0, 32: 32, None: 32}, id="branch-at-36"),
+])
+def test_retention_interval_keeps_vllms_chunk_states_for_a_branch(shared, expected):
+    # Under vLLM's default only a's replay boundary (40) keeps its state; every 32 tokens
+    # keeps 32 too; dense keeps every chunk's. The plugin composes: exact, never fewer hits.
+    a = list(range(100, 144))
+    trace = Trace("branch", [TraceRequest("a", a, [1, 2]),
+                             TraceRequest("b", a[:shared] + list(range(300, 320)), [3],
+                                          arrival_s=1.0)])
+    hits: dict[str, dict[int | None, int]] = {"upstream": {}, "plugin": {}}
+    for interval in expected:
+        for policy in hits:
+            result = run_replay(trace, _tiny(retention_interval=interval), get_policy(policy))
+            assert result.mismatches == [] and result.blocks_leaked == 0
+            hits[policy][interval] = result.requests["b"].hit_tokens
+    assert hits["upstream"] == expected
+    assert all(hits["plugin"][i] >= expected[i] for i in expected), hits
+
+
+def test_a_retention_interval_off_the_block_grid_is_refused():
+    with pytest.raises(ReplayError, match=r"--prefix-cache-retention-interval 12: vLLM needs 0 "
+                                          r"\(its default\), a multiple of the block size "
+                                          r"\(8 tokens here\) or dense"):
+        _tiny(retention_interval=12).layout()
 
 
 def test_ideal_hits_are_token_granular_longest_shared_prefixes():

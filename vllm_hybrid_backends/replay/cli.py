@@ -69,6 +69,13 @@ def add_parser(commands: Any) -> None:
                              "attention-only bound runs at the same unit. 'best': replay every "
                              "allowed unit of at least 16 tokens and report each policy at "
                              "its best (default: off, hits on the block grid)")
+    parser.add_argument("--prefix-cache-retention-interval", metavar="N|dense", default="0",
+                        help="vLLM's prefix_cache_retention_interval (0.32+), for both "
+                             "policies: 0 keeps a Mamba state at the prompt's replay boundary "
+                             "and shared-prefix junctions only (vLLM's default), N (a multiple "
+                             "of the block size) also every N tokens, 'dense' at every block "
+                             "boundary; the attention-only bound is the same either way "
+                             "(default: 0)")
     parser.add_argument("--kv-offloading-size", type=float, metavar="GIB", default=None,
                         help="vLLM's --kv-offloading-size: a CPU tier of GIB GiB through vLLM's "
                              "own OffloadingConnector; each policy is reported without it and "
@@ -142,6 +149,19 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             print("error: --prefix-match-unit must be a positive integer or 'best', got "
                   f"{args.prefix_match_unit!r}", file=sys.stderr)
             return 2
+    retention: int | None = 0
+    if args.prefix_cache_retention_interval == "dense":
+        retention = None
+    else:
+        try:
+            retention = int(args.prefix_cache_retention_interval)
+        except ValueError:
+            retention = -1
+        if retention < 0:
+            print("error: --prefix-cache-retention-interval must be an integer >= 0 or "
+                  f"'dense', got {args.prefix_cache_retention_interval!r}",
+                  file=sys.stderr)
+            return 2
     if not args.time_scale > 0 or args.time_scale == float("inf"):
         print(f"error: --time-scale must be a finite number > 0, got {args.time_scale}",
               file=sys.stderr)
@@ -167,8 +187,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"error: {problem}", file=sys.stderr)
             return 2
     # after the flag combinations: a usage error is one on every vLLM
-    from .engine_config import vllm_has_prefix_match_unit
+    from .engine_config import vllm_has_prefix_match_unit, vllm_has_retention_interval
 
+    if retention != 0 and not vllm_has_retention_interval():
+        from ..compat import installed_vllm_version
+
+        print("error: --prefix-cache-retention-interval needs vLLM's "
+              f"CacheConfig.prefix_cache_retention_interval (0.32+); this vLLM is "
+              f"{installed_vllm_version()}", file=sys.stderr)
+        return 2
     if args.prefix_match_unit is not None and not vllm_has_prefix_match_unit():
         from ..compat import installed_vllm_version
 
@@ -183,7 +210,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     config = ReplayConfig(model_shape=shape.name, shape=shape, block_size=args.block_size,
                           cache_tokens=args.cache_tokens, prefix_match_unit=unit,
-                          kv_offloading_size=tier)
+                          retention_interval=retention, kv_offloading_size=tier)
     sweep = args.prefix_match_unit == "best"
     try:
         config.layout()  # refuses a bad --prefix-match-unit before any trace is read

@@ -25,7 +25,7 @@ from .shapes import ModelShape, StateLayout
 
 __all__ = ["EngineSetup", "KVLayout", "ReplayVersionError", "STATE_KIND_OF_ARCHITECTURE",
            "build_engine_setup", "shape_from_model_config", "vllm_config_for",
-           "vllm_has_prefix_match_unit"]
+           "vllm_has_prefix_match_unit", "vllm_has_retention_interval"]
 
 
 class ReplayVersionError(RuntimeError):
@@ -329,6 +329,9 @@ class KVLayout:
     num_spec_tokens: int = 0
     #: ``--prefix-match-unit``: sub-block prefix hits (hash granularity below the block size).
     prefix_match_unit: int | None = None
+    #: vLLM's ``prefix_cache_retention_interval`` (0.32): 0 = its default (a Mamba state kept
+    #: at the replay boundary and junctions only), N = also every N tokens, ``None`` = dense.
+    retention_interval: int | None = 0
 
 
 @dataclass
@@ -394,6 +397,17 @@ def vllm_has_prefix_match_unit() -> bool:
         f.name == "prefix_match_unit" for f in dataclasses.fields(CacheConfig))
 
 
+def vllm_has_retention_interval() -> bool:
+    """vLLM's ``CacheConfig.prefix_cache_retention_interval`` (0.32). Older vLLM keeps its own
+    rule (0.26: ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``, dense when unset; 0.23: dense)."""
+    import dataclasses
+
+    from vllm.config import CacheConfig
+
+    return any(f.name == "prefix_cache_retention_interval"
+               for f in dataclasses.fields(CacheConfig))
+
+
 def _prefill_checkpoint_fields(spec_class: Any, checkpoint: bool) -> dict[str, Any]:
     """``MambaSpec``'s prefill-checkpoint fields (0.30+); vLLM 0.26's spec has none."""
     fields = getattr(spec_class, "__dataclass_fields__", {})
@@ -451,6 +465,17 @@ def build_engine_setup(
             f"prefix_match_unit={layout.prefix_match_unit}: vLLM {installed_vllm_version()} "
             "has no CacheConfig.prefix_match_unit (sub-block hits need vLLM 0.32+)")
     cache.prefix_match_unit = layout.prefix_match_unit  # also resets the shared config's
+    if vllm_has_retention_interval():
+        # vLLM refuses an interval for a model without Mamba groups: the bound keeps 0
+        cache.prefix_cache_retention_interval = 0 if layout.attention_only else \
+            layout.retention_interval
+    elif layout.retention_interval != 0:
+        from ..compat import installed_vllm_version
+
+        raise ReplayVersionError(
+            f"prefix_cache_retention_interval={layout.retention_interval}: vLLM "
+            f"{installed_vllm_version()} has no CacheConfig.prefix_cache_retention_interval "
+            "(0.32+; 0.26 reads VLLM_PREFIX_CACHE_RETENTION_INTERVAL, 0.23 keeps every state)")
     sched.max_num_batched_tokens = max_num_batched_tokens
     if getattr(sched, "max_num_scheduled_tokens", None) is not None:
         sched.max_num_scheduled_tokens = max_num_batched_tokens

@@ -70,6 +70,10 @@ class ReplayConfig:
     conv_layout: str = "SD"
     #: vLLM's ``prefix_match_unit`` (sub-block hits with copy-on-write); None = off.
     prefix_match_unit: int | None = None
+    #: vLLM's ``prefix_cache_retention_interval`` for both policies (0.32+): 0 = vLLM's
+    #: default (Mamba states at the replay boundary and junctions), a multiple of the block =
+    #: also every that many tokens, ``None`` = every block boundary (dense).
+    retention_interval: int | None = 0
     max_model_len: int | None = None
     max_steps: int = 2_000_000
     #: vLLM's ``--kv-offloading-size`` (GiB): its OffloadingConnector as a CPU tier
@@ -102,6 +106,12 @@ class ReplayConfig:
                     f"--prefix-match-unit {unit}: vLLM needs a divisor of every KV-cache "
                     f"group's block size ({', '.join(map(str, sizes))} here); allowed: "
                     f"{', '.join(map(str, allowed))}")
+        interval = self.retention_interval
+        if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int)
+                                     or interval < 0 or interval % block_size):
+            raise ReplayError(
+                f"--prefix-cache-retention-interval {interval!r}: vLLM needs 0 (its default), "
+                f"a multiple of the block size ({block_size} tokens here) or dense")
         if attention_only and unit is not None and unit < block_size:
             # vLLM rejects a sub-block unit for a single (attention) group: the attention-only
             # bound at that unit is an attention cache of unit-sized blocks, same capacity.
@@ -110,7 +120,8 @@ class ReplayConfig:
                         mamba_page_padded=geometry.mamba_page_padded,
                         mamba_block_size=self.mamba_block_size, attention_only=attention_only,
                         num_spec_tokens=self.num_spec_tokens,
-                        prefix_match_unit=None if attention_only else unit)
+                        prefix_match_unit=None if attention_only else unit,
+                        retention_interval=0 if attention_only else interval)
 
 
 def resolve_model_shape(value: str) -> ModelShape:

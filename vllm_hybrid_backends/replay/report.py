@@ -51,6 +51,9 @@ class Report:
             "platform_rule": self.config.platform,
             **({} if self.config.kv_offloading_size is None
                else {"kv_offloading_size_gib": self.config.kv_offloading_size}),
+            **({} if self.config.retention_interval == 0 else {
+                "prefix_cache_retention_interval": self.config.retention_interval
+                if self.config.retention_interval is not None else "dense"}),
             "workload_params": self.trace.params,
             "policies": {name: m.to_json() for name, m in self.policies.items()},
             **({} if self.unit_sweep is None else {"prefix_match_unit_sweep": {
@@ -180,6 +183,13 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
+def _retention_note(interval: int | None) -> str:
+    if interval == 0:
+        return ""
+    kept = "every block boundary" if interval is None else f"every {interval:,} tokens"
+    return f"; Mamba states retained at {kept} (prefix_cache_retention_interval)"
+
+
 def render_table(report: Report) -> str:
     """The comparison table ``replay`` prints."""
     shape = report.config.resolved_shape()
@@ -202,7 +212,8 @@ def render_table(report: Report) -> str:
         f"({report.config.platform} rule), cache {report.config.cache_tokens:,} tokens = "
         f"{report.num_blocks - 1} blocks ({report.pool_bytes / 2**30:.2f} GiB)"
         + ("" if report.config.kv_offloading_size is None else
-           f"; CPU tier (vLLM's OffloadingConnector) {report.config.kv_offloading_size:g} GiB"),
+           f"; CPU tier (vLLM's OffloadingConnector) {report.config.kv_offloading_size:g} GiB")
+        + _retention_note(report.config.retention_interval),
         f"vLLM {installed_vllm_version()}, state backend {m[names[0]].backend}",
         "",
         f"{'':34}" + "".join(f"{n:>{width}}" for n in names),
