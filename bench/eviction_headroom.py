@@ -3,24 +3,31 @@
     python bench/eviction_headroom.py --trace conversation_trace.jsonl --limit 600 \\
         --model-shape nemotron-h-8b --cache-tokens 1000000,2000000,4000000
 
-A cache model, not a replay: requests in arrival order (a follow-up right after the request it
-follows), nothing running, no decode. Each request's prompt is cut into the shape's blocks (the
-replay's CUDA block rule); it leaves its full attention blocks cached and, as upstream align
-mode does, one Mamba state at its last full block, costing one block per Mamba group. A hit is
-the deepest block with every attention block before it and a state at it cached (``--attention-
-only``: the longest cached prefix, no states), at most the prompt less one token. Eviction
-orders, all over the same items:
+A cache model, not a replay: requests in arrival order (a follow-up's delay counted from the
+arrival of the request it follows, not from its end), nothing running, no decode. Each
+request's prompt is cut into the shape's blocks (the replay's CUDA block rule); it leaves its
+full attention blocks cached and, as vLLM 0.32 align mode keeps them by default, a Mamba state
+at its replay boundary (the last block before its last token), one where its prompt left a
+cached prefix (a junction), and the one it resumed from, read again; a state costs one block
+per Mamba group, an attention position one per attention group. A hit is the deepest block with
+every attention block before it and a state at it cached (``--attention-only``: the longest
+cached prefix, no states), at most the prompt less one token. Eviction orders, all over the
+same items:
 
-- ``lru``: vLLM's order. A request's state, then its blocks tail first, join the recent end.
+- ``lru``: vLLM's order. A request's states, then its blocks tail first, join the recent end.
 - ``offline``: evict the item whose next reader (a later request whose blocks pass through it)
-  is farthest away; knows the future, so it shows the headroom, not a policy.
+  is farthest away. It knows the future, but a reader may stop short of the item or resume
+  from a deeper state, so it is a heuristic, not a bound; it shows what knowing the future is
+  worth to an order over the same items.
 - ``two-segment``: items read again after they were stored move to a protected segment (80% of
   the cache); the rest are evicted first (SLRU, SGLang-style two lists).
 - ``lineage``: a request whose prefix was cached once but was evicted (its predecessor came back
-  too late) is expected to come back too late again: its items go in front of the LRU order.
+  too late) is expected to come back too late again: its own items go in front of the LRU
+  order, the latest such request's first and its tail before its head; items other requests
+  keep at their LRU place stay there.
 - ``size-aware``: GreedyDual-Size (Marconi's FLOP-aware utility in its simplest form): a
-  request's items get the priority ``clock + blocks / (blocks + state blocks)``, the prefill its
-  state saves per block it holds; the lowest goes first and sets the clock. Without states
+  request's items get the priority ``clock + depth / blocks held``, the prefill its path saves
+  per block it holds; the lowest goes first and sets the clock. Without states
   (``--attention-only``) it is LRU.
 
 The question it answers for issue 15 item 2: is there a value order for vLLM's own blocks and
@@ -76,10 +83,19 @@ def requests_of(trace, block: int) -> list[Request]:
             for r in arrival_order(trace)]
 
 
-def stored_items(request: Request, state_blocks: int) -> list[tuple[Key, int]]:
-    """What a finished request leaves cached, first to evict first."""
-    items = [(("s", request.blocks[-1]), state_blocks)] if state_blocks and request.blocks else []
-    return items + [(("a", h), 1) for h in reversed(request.blocks)]
+def stored_items(request: Request, state_blocks: int, hit: int, shared: int,
+                 attention_blocks: int = 1) -> list[tuple[Key, int]]:
+    """What a finished request leaves cached, first to evict first: the state it resumed from
+    (read again), the state vLLM keeps where its prompt left a cached prefix (``shared`` blocks
+    deeper than ``hit``: a junction) and the one at its replay boundary (the last block before
+    the prompt's last token), then its attention blocks tail first."""
+    states: list[int] = []
+    if state_blocks:
+        depths = ([hit] if hit else []) + ([shared] if shared > hit else []) + \
+            [request.hit_limit]
+        states = list(dict.fromkeys(d for d in depths if d > 0))
+    return [(("s", request.blocks[d - 1]), state_blocks) for d in states] + \
+        [(("a", h), attention_blocks) for h in reversed(request.blocks)]
 
 
 def hit_blocks(request: Request, cached, states: bool) -> int:
@@ -154,17 +170,25 @@ class TwoSegment(LRU):
 class Lineage(LRU):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self.front: OrderedDict[Key, int] = OrderedDict()   # newest is evicted first
+        self.front: OrderedDict[Key, int] = OrderedDict()   # last in, first evicted
 
     def __contains__(self, key: Key) -> bool:
         return key in self.items or key in self.front
 
     def store(self, index: int, items, hit: int, reachable: int) -> None:
-        for key, _ in items:
-            self.used -= self.items.pop(key, 0) + self.front.pop(key, 0)
-        segment = self.front if reachable > hit else self.items
-        for key, cost in items:
-            segment[key] = cost
+        if reachable <= hit:
+            for key, _ in items:
+                self.used -= self.front.pop(key, 0)
+            super().store(index, items, hit, reachable)
+            return
+        # its prefix came back too late once: its own items go first, tail before head;
+        # what other requests keep at its LRU place stays there
+        for key, cost in reversed(items):
+            if key in self.items:
+                self.items.move_to_end(key)
+                continue
+            self.used -= self.front.pop(key, 0)
+            self.front[key] = cost
             self.used += cost
         while self.used > self.capacity:
             if self.front:
@@ -204,9 +228,15 @@ class Offline:
         while self.used > self.capacity:
             negative, key = heapq.heappop(self.heap)
             entry = self.items.get(key)
-            if entry is not None and entry[0] == -negative:
-                del self.items[key]
-                self.used -= entry[1]
+            if entry is None or entry[0] != -negative:
+                continue
+            if entry[0] <= index:   # its reader has come: when is the next one?
+                following = self._next_reader(key[1], index)
+                self.items[key] = (following, entry[1])
+                heapq.heappush(self.heap, (-following, key))
+                continue
+            del self.items[key]
+            self.used -= entry[1]
 
 
 class SizeAware:
@@ -236,7 +266,7 @@ class SizeAware:
 
 
 def simulate(requests: list[Request], capacity_blocks: int, state_blocks: int,
-             policy: str) -> float:
+             policy: str, attention_blocks: int = 1) -> float:
     """Token hit rate of ``policy`` over ``requests`` in a cache of ``capacity_blocks``."""
     if policy not in POLICIES:
         raise ValueError(f"unknown eviction order {policy!r}; known: {', '.join(POLICIES)}")
@@ -251,13 +281,15 @@ def simulate(requests: list[Request], capacity_blocks: int, state_blocks: int,
     hit_tokens = 0
     for index, request in enumerate(requests):
         hit = hit_blocks(request, cache, states)
+        shared = hit_blocks(request, cache, False)
         reachable = hit_blocks(request, seen, states)
         hit_tokens += hit * request.block
-        items = stored_items(request, state_blocks)
+        items = stored_items(request, state_blocks, hit, shared, attention_blocks)
         seen.update(key for key, _ in items)
         if policy == "size-aware":
             depth = len(request.blocks)
-            cache.store(index, items, hit, reachable, depth / (depth + state_blocks or 1))
+            held = depth * attention_blocks + state_blocks
+            cache.store(index, items, hit, reachable, depth / held if held else 0.0)
         else:
             cache.store(index, items, hit, reachable)
     prompt_tokens = sum(r.prompt_tokens for r in requests)
@@ -285,9 +317,9 @@ def reuse_by_feature(requests: list[Request]) -> dict[str, dict[str, list[int]]]
     table: dict[str, dict[str, list[int]]] = defaultdict(dict)
     seen: set[Key] = set()
     for index, request in enumerate(requests):
-        if not request.blocks:
+        if not request.hit_limit:
             continue
-        reused = readers[request.blocks[-1]] > index
+        reused = readers[request.blocks[request.hit_limit - 1]] > index
         shared = hit_blocks(request, seen, False)
         for feature, value in (
                 ("all", "all"),
@@ -332,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = build_engine_setup(config.resolved_shape(), layout, max_num_batched_tokens=8192,
                                max_num_seqs=1024, max_model_len=(longest // block + 2) * block)
     state_blocks = 0 if args.attention_only else len(setup.mamba_group_ids)
+    attention_blocks = len(setup.attention_group_ids)
     requests = requests_of(trace, block)
     rows: list[dict[str, float]] = []
     for tokens in capacities:
@@ -340,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, float] = {"cache_tokens": tokens, "blocks": tokens // block, "block_size": block,
                "state_blocks": state_blocks}
         for policy in POLICIES:
-            row[policy] = round(simulate(requests, tokens // block, state_blocks, policy), 4)
+            row[policy] = round(simulate(requests, tokens // block, state_blocks, policy,
+                                         attention_blocks), 4)
         rows.append(row)
         if not args.json:
             print(f"{tokens:>12,d} tokens  " + "  ".join(f"{p} {row[p]:.4f}" for p in POLICIES),

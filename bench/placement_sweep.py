@@ -257,6 +257,19 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--prefix-match-unit takes one unit, got {args.prefix_match_unit}")
         unit = args.prefix_match_unit[0]
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if args.prefix_cache_retention_interval != 0:
+        from vllm_hybrid_backends.replay.engine_config import vllm_has_retention_interval
+        from vllm_hybrid_backends.replay.harness import ReplayConfig, ReplayError
+
+        if not vllm_has_retention_interval():
+            parser.error("--prefix-cache-retention-interval needs vLLM's CacheConfig."
+                         "prefix_cache_retention_interval (0.32+)")
+        for shape in shapes:   # every shape before the first row, not at its first row
+            try:
+                ReplayConfig(model_shape=shape,
+                             retention_interval=args.prefix_cache_retention_interval).layout()
+            except ReplayError as exc:
+                parser.error(f"{shape}: {exc}")
     rows, failed = [], []
     for workload in workloads:
         for shape in shapes:

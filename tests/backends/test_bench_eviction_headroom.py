@@ -32,14 +32,25 @@ def test_a_hybrid_hit_stops_at_the_deepest_state_an_attention_hit_does_not(load_
         assert attention == pytest.approx(2 * BLOCK / (2 * (3 * BLOCK + 1))), policy
 
 
-def test_a_hit_leaves_the_last_token_to_compute(load_bench):
+def test_the_state_sits_at_the_replay_boundary_before_the_last_token(load_bench):
     bench = load_bench("eviction_headroom")
-    # r1 repeats r0 exactly (three full blocks): it may hit two blocks and its state there is
-    # missing (r0 kept one at its third), so the hybrid hit is none; attention-only two blocks.
+    # r1 repeats r0 exactly (three full blocks): a hit must leave the last token, so vLLM
+    # keeps r0's state after two blocks, and r1 resumes there.
     requests = bench.requests_of(_trace(_blocks(1, 2, 3), _blocks(1, 2, 3)), BLOCK)
     assert requests[1].hit_limit == 2
-    assert bench.simulate(requests, 100, 1, "lru") == 0.0
-    assert bench.simulate(requests, 100, 0, "lru") == pytest.approx(2 * BLOCK / (6 * BLOCK))
+    for states in (1, 0):
+        assert bench.simulate(requests, 100, states, "lru") == pytest.approx(2 * BLOCK / 24)
+
+
+def test_a_junction_keeps_a_state_where_a_prompt_leaves_a_cached_prefix(load_bench):
+    bench = load_bench("eviction_headroom")
+    # a and b share two blocks; b finds them cached with no state there, so vLLM keeps one at
+    # the junction, and c (a third branch) resumes from it.
+    requests = bench.requests_of(_trace(_blocks(1, 2, 3) + [9], _blocks(1, 2, 4) + [9],
+                                        _blocks(1, 2, 5) + [9]), BLOCK)
+    total = 3 * (3 * BLOCK + 1)
+    for policy in bench.POLICIES:
+        assert bench.simulate(requests, 100, 1, policy) == pytest.approx(2 * BLOCK / total)
 
 
 def test_a_loop_larger_than_the_cache_starves_lru_and_not_the_offline_order(load_bench):

@@ -79,3 +79,13 @@ def test_a_bad_retention_interval_is_refused_naming_it():
                            "sometimes"], capture_output=True, text=True, check=False, timeout=120)
     assert proc.returncode == 2
     assert "an integer >= 0 or 'dense', got 'sometimes'" in proc.stderr, proc.stderr
+
+
+def test_a_retention_interval_is_checked_against_every_shape_before_any_row():
+    # 4,352 is 8 of qwen3.5-0.8b's 544-token blocks and no multiple of nemotron-h-8b's 1,040
+    proc = subprocess.run([sys.executable, str(BENCH), "--shapes", "qwen3.5-0.8b,nemotron-h-8b",
+                           "--prefix-cache-retention-interval", "4352"],
+                          capture_output=True, text=True, check=False, timeout=300)
+    assert proc.returncode == 2
+    assert "nemotron-h-8b: --prefix-cache-retention-interval 4352" in proc.stderr, proc.stderr
+    assert "upstream" not in proc.stderr        # no row ran

@@ -137,7 +137,8 @@ def test_bad_prefix_match_units_are_refused(value, message, capsys):
 
 @pytest.mark.parametrize(("value", "message"), [
     pytest.param("100", "--prefix-cache-retention-interval 100: vLLM needs 0 (its default), a "
-                 "multiple of the block size (544 tokens here) or dense", id="off-the-grid"),
+                 "multiple of the scheduler block size (544 tokens here) or dense",
+                 id="off-the-grid"),
     pytest.param("often", "--prefix-cache-retention-interval must be an integer >= 0 or "
                  "'dense', got 'often'", id="not-a-number"),
     pytest.param("-544", "--prefix-cache-retention-interval must be an integer >= 0 or "

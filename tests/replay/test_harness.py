@@ -366,11 +366,36 @@ def test_retention_interval_keeps_vllms_chunk_states_for_a_branch(shared, expect
     assert all(hits["plugin"][i] >= expected[i] for i in expected), hits
 
 
-def test_a_retention_interval_off_the_block_grid_is_refused():
-    with pytest.raises(ReplayError, match=r"--prefix-cache-retention-interval 12: vLLM needs 0 "
-                                          r"\(its default\), a multiple of the block size "
-                                          r"\(8 tokens here\) or dense"):
-        _tiny(retention_interval=12).layout()
+@pytest.mark.parametrize(("overrides", "scheduler_block"), [
+    pytest.param({"retention_interval": 12}, 8, id="off-the-block"),
+    # vLLM checks the scheduler block: the lcm of every group's block size
+    pytest.param({"retention_interval": 8, "mamba_block_size": 16}, 16, id="off-the-lcm"),
+])
+def test_a_retention_interval_off_the_scheduler_block_grid_is_refused(overrides,
+                                                                       scheduler_block):
+    interval = overrides["retention_interval"]
+    with pytest.raises(ReplayError, match=(
+            rf"--prefix-cache-retention-interval {interval}: vLLM needs 0 \(its default\), a "
+            rf"multiple of the scheduler block size \({scheduler_block} tokens here\) or dense")):
+        _tiny(**overrides).layout()
+
+
+@pytest.mark.skipif(not vllm_has_retention_interval(), reason=(
+    "this vLLM has no CacheConfig.prefix_cache_retention_interval (added in 0.32)"))
+def test_a_retention_interval_reaches_the_report_and_not_the_next_run():
+    from vllm_hybrid_backends.replay.report import compare_policies
+
+    a = list(range(100, 144))
+    trace = Trace("branch", [TraceRequest("a", a, [1, 2]),
+                             TraceRequest("b", a[:36] + list(range(300, 320)), [3],
+                                          arrival_s=1.0)])
+    dense = compare_policies(trace, _tiny(retention_interval=None), ["upstream"])
+    assert dense.to_json()["prefix_cache_retention_interval"] == "dense"
+    assert dense.policies["upstream"].token_hit_rate > 0       # the chunk state at 32
+    assert dense.policies["upstream"].bound_hit_rate > 0       # the bound ran, at 0
+    default = compare_policies(trace, _tiny(), ["upstream"])
+    assert "prefix_cache_retention_interval" not in default.to_json()
+    assert default.policies["upstream"].token_hit_rate == 0    # nothing left over from dense
 
 
 def test_ideal_hits_are_token_granular_longest_shared_prefixes():

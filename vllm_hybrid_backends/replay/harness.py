@@ -70,9 +70,10 @@ class ReplayConfig:
     conv_layout: str = "SD"
     #: vLLM's ``prefix_match_unit`` (sub-block hits with copy-on-write); None = off.
     prefix_match_unit: int | None = None
-    #: vLLM's ``prefix_cache_retention_interval`` for both policies (0.32+): 0 = vLLM's
-    #: default (Mamba states at the replay boundary and junctions), a multiple of the block =
-    #: also every that many tokens, ``None`` = every block boundary (dense).
+    #: vLLM's ``prefix_cache_retention_interval`` for both policies (0.32+): 0 = the installed
+    #: vLLM's default (0.32: Mamba states at the replay boundary and junctions; 0.26 and 0.23
+    #: keep their own rule), a multiple of the scheduler block = also every that many tokens,
+    #: ``None`` = every boundary a chunk or decode step ends on (dense).
     retention_interval: int | None = 0
     max_model_len: int | None = None
     max_steps: int = 2_000_000
@@ -107,11 +108,13 @@ class ReplayConfig:
                     f"group's block size ({', '.join(map(str, sizes))} here); allowed: "
                     f"{', '.join(map(str, allowed))}")
         interval = self.retention_interval
+        scheduler_block = math.lcm(block_size, self.mamba_block_size or block_size)
         if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int)
-                                     or interval < 0 or interval % block_size):
+                                     or interval < 0 or interval % scheduler_block):
             raise ReplayError(
                 f"--prefix-cache-retention-interval {interval!r}: vLLM needs 0 (its default), "
-                f"a multiple of the block size ({block_size} tokens here) or dense")
+                f"a multiple of the scheduler block size ({scheduler_block} tokens here) or "
+                "dense")
         if attention_only and unit is not None and unit < block_size:
             # vLLM rejects a sub-block unit for a single (attention) group: the attention-only
             # bound at that unit is an attention cache of unit-sized blocks, same capacity.
