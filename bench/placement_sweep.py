@@ -51,7 +51,7 @@ def sweep_row(workload: str, shape: str, cache_tokens: int, seed: int = 0,
               retention_interval: int | None = 0) -> dict[str, Any]:
     """One row; with several ``time_scales`` each policy's rates are its mean over the
     workload replayed with its arrival times scaled by each, and counts are summed."""
-    from vllm_hybrid_backends.replay.harness import ReplayConfig
+    from vllm_hybrid_backends.replay.harness import ReplayConfig, retention_label
     from vllm_hybrid_backends.replay.workloads import make_workload, scale_arrivals
 
     config = ReplayConfig(model_shape=shape, cache_tokens=cache_tokens,
@@ -63,8 +63,7 @@ def sweep_row(workload: str, shape: str, cache_tokens: int, seed: int = 0,
     row = {"workload": workload, "model_shape": shape, "cache_tokens": cache_tokens,
            "seed": seed, **_combine(runs)}
     if retention_interval != 0:
-        row["prefix_cache_retention_interval"] = \
-            "dense" if retention_interval is None else retention_interval
+        row["prefix_cache_retention_interval"] = retention_label(retention_interval)
     if list(time_scales) != [1.0]:
         row["time_scales"] = list(time_scales)
         row["by_time_scale"] = [{"time_scale": scale, "upstream": round(run["upstream"], 4),
@@ -203,15 +202,12 @@ def seed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _retention(text: str) -> int | None:
-    if text == "dense":
-        return None
+    from vllm_hybrid_backends.replay.harness import parse_retention_interval
+
     try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"an integer >= 0 or 'dense', got {text!r}")
-    return value
+        return parse_retention_interval(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,13 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         unit = args.prefix_match_unit[0]
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if args.prefix_cache_retention_interval != 0:
-        from vllm_hybrid_backends.replay.engine_config import vllm_has_retention_interval
         from vllm_hybrid_backends.replay.harness import ReplayConfig, ReplayError
 
-        if not vllm_has_retention_interval():
-            parser.error("--prefix-cache-retention-interval needs vLLM's CacheConfig."
-                         "prefix_cache_retention_interval (0.32+)")
-        for shape in shapes:   # every shape before the first row, not at its first row
+        for shape in shapes:   # every shape (and the vLLM) before the first row
             try:
                 ReplayConfig(model_shape=shape,
                              retention_interval=args.prefix_cache_retention_interval).layout()

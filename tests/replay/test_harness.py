@@ -380,6 +380,17 @@ def test_a_retention_interval_off_the_scheduler_block_grid_is_refused(overrides,
         _tiny(**overrides).layout()
 
 
+def test_a_retention_interval_on_a_vllm_without_the_setting_is_refused(monkeypatch):
+    from vllm_hybrid_backends.replay import harness
+
+    monkeypatch.setattr(harness, "vllm_has_retention_interval", lambda: False)
+    _tiny().layout()                                  # vLLM's own default: nothing to set
+    with pytest.raises(ReplayError, match=r"--prefix-cache-retention-interval needs vLLM's "
+                                          r"CacheConfig\.prefix_cache_retention_interval "
+                                          r"\(0\.32\+\); this vLLM is "):
+        _tiny(retention_interval=None).layout()
+
+
 @pytest.mark.skipif(not vllm_has_retention_interval(), reason=(
     "this vLLM has no CacheConfig.prefix_cache_retention_interval (added in 0.32)"))
 def test_a_retention_interval_reaches_the_report_and_not_the_next_run():

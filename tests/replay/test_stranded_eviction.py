@@ -76,7 +76,7 @@ class Cache:
     def finish(self, attention: list[Any]) -> None:
         """What ``free`` does after freeing a request with these attention blocks."""
         coordinator_patch._demote_past_states(self.pool, self.state,
-                                             [(4, attention), (4, []), (4, [])])
+                                              [(4, attention), (4, []), (4, [])])
 
     def on_probation(self, blocks: list[Any]) -> list[bool]:
         return [coordinator_patch._on_probation(self.state, b) for b in blocks]

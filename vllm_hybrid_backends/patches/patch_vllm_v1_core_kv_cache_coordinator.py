@@ -1242,7 +1242,7 @@ def _strand(pool: Any, state: CoordinatorState, index: StrandIndex, position: An
 
 
 def _demote_past_states(pool: Any, state: CoordinatorState,
-                       groups: list[tuple[int, list[Any]]]) -> None:
+                        groups: list[tuple[int, list[Any]]]) -> None:
     """After ``free``: the request's attention blocks past every registered state (its last
     blocks back to the first position that still leads to a state), those nothing else
     holds, join the probation segment."""

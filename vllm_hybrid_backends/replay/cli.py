@@ -73,9 +73,9 @@ def add_parser(commands: Any) -> None:
                         help="vLLM's prefix_cache_retention_interval (0.32+), for both "
                              "policies: 0 keeps a Mamba state at the prompt's replay boundary "
                              "and shared-prefix junctions only (vLLM's default), N (a multiple "
-                             "of the block size) also every N tokens, 'dense' at every block "
-                             "boundary; the attention-only bound is the same either way "
-                             "(default: 0)")
+                             "of the scheduler block size) also every N tokens, 'dense' at "
+                             "every block boundary a prefill chunk or decode step ends on; the "
+                             "attention-only bound is the same either way (default: 0)")
     parser.add_argument("--kv-offloading-size", type=float, metavar="GIB", default=None,
                         help="vLLM's --kv-offloading-size: a CPU tier of GIB GiB through vLLM's "
                              "own OffloadingConnector; each policy is reported without it and "
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     # vLLM logs INFO lines to stdout by default; keep stdout for the report.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from .harness import ReplayConfig, ReplayError, resolve_model_shape
+    from .harness import ReplayConfig, ReplayError, parse_retention_interval, resolve_model_shape
     from .report import (
         compare_policies,
         compare_with_cpu_tier,
@@ -149,19 +149,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             print("error: --prefix-match-unit must be a positive integer or 'best', got "
                   f"{args.prefix_match_unit!r}", file=sys.stderr)
             return 2
-    retention: int | None = 0
-    if args.prefix_cache_retention_interval == "dense":
-        retention = None
-    else:
-        try:
-            retention = int(args.prefix_cache_retention_interval)
-        except ValueError:
-            retention = -1
-        if retention < 0:
-            print("error: --prefix-cache-retention-interval must be an integer >= 0 or "
-                  f"'dense', got {args.prefix_cache_retention_interval!r}",
-                  file=sys.stderr)
-            return 2
+    try:
+        retention = parse_retention_interval(args.prefix_cache_retention_interval)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if not args.time_scale > 0 or args.time_scale == float("inf"):
         print(f"error: --time-scale must be a finite number > 0, got {args.time_scale}",
               file=sys.stderr)
@@ -187,15 +179,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"error: {problem}", file=sys.stderr)
             return 2
     # after the flag combinations: a usage error is one on every vLLM
-    from .engine_config import vllm_has_prefix_match_unit, vllm_has_retention_interval
+    from .engine_config import vllm_has_prefix_match_unit
 
-    if retention != 0 and not vllm_has_retention_interval():
-        from ..compat import installed_vllm_version
-
-        print("error: --prefix-cache-retention-interval needs vLLM's "
-              f"CacheConfig.prefix_cache_retention_interval (0.32+); this vLLM is "
-              f"{installed_vllm_version()}", file=sys.stderr)
-        return 2
     if args.prefix_match_unit is not None and not vllm_has_prefix_match_unit():
         from ..compat import installed_vllm_version
 
@@ -213,7 +198,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                           retention_interval=retention, kv_offloading_size=tier)
     sweep = args.prefix_match_unit == "best"
     try:
-        config.layout()  # refuses a bad --prefix-match-unit before any trace is read
+        config.layout()  # refuses a bad unit or retention interval before any trace is read
         units = len(sweep_units(config)) if sweep else 1
         if args.trace:
             trace = load_trace(args.trace, hash_block_size=args.hash_block_size,

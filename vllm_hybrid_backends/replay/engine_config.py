@@ -465,17 +465,10 @@ def build_engine_setup(
             f"prefix_match_unit={layout.prefix_match_unit}: vLLM {installed_vllm_version()} "
             "has no CacheConfig.prefix_match_unit (sub-block hits need vLLM 0.32+)")
     cache.prefix_match_unit = layout.prefix_match_unit  # also resets the shared config's
-    if vllm_has_retention_interval():
+    if vllm_has_retention_interval():  # a non-zero interval elsewhere: ReplayConfig refuses
         # vLLM refuses an interval for a model without Mamba groups: the bound keeps 0
         cache.prefix_cache_retention_interval = 0 if layout.attention_only else \
             layout.retention_interval
-    elif layout.retention_interval != 0:
-        from ..compat import installed_vllm_version
-
-        raise ReplayVersionError(
-            f"prefix_cache_retention_interval={layout.retention_interval}: vLLM "
-            f"{installed_vllm_version()} has no CacheConfig.prefix_cache_retention_interval "
-            "(0.32+; 0.26 reads VLLM_PREFIX_CACHE_RETENTION_INTERVAL, 0.23 keeps every state)")
     sched.max_num_batched_tokens = max_num_batched_tokens
     if getattr(sched, "max_num_scheduled_tokens", None) is not None:
         sched.max_num_scheduled_tokens = max_num_batched_tokens

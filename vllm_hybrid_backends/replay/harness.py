@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import stats
-from .engine_config import EngineSetup, KVLayout, build_engine_setup, shape_from_model_config
+from .engine_config import (
+    EngineSetup,
+    KVLayout,
+    build_engine_setup,
+    shape_from_model_config,
+    vllm_has_retention_interval,
+)
 from .oracle import FakeHybridWorker, Mismatch
 from .policy import Policy
 from .shapes import MODEL_SHAPES, ModelShape, derive_cache_geometry, get_shape
@@ -108,6 +114,14 @@ class ReplayConfig:
                     f"group's block size ({', '.join(map(str, sizes))} here); allowed: "
                     f"{', '.join(map(str, allowed))}")
         interval = self.retention_interval
+        if interval != 0 and not vllm_has_retention_interval():
+            from ..compat import installed_vllm_version
+
+            raise ReplayError(
+                "--prefix-cache-retention-interval needs vLLM's CacheConfig."
+                f"prefix_cache_retention_interval (0.32+); this vLLM is "
+                f"{installed_vllm_version()} (0.26 reads VLLM_PREFIX_CACHE_RETENTION_INTERVAL, "
+                "0.23 keeps every state)")
         scheduler_block = math.lcm(block_size, self.mamba_block_size or block_size)
         if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int)
                                      or interval < 0 or interval % scheduler_block):
@@ -125,6 +139,25 @@ class ReplayConfig:
                         num_spec_tokens=self.num_spec_tokens,
                         prefix_match_unit=None if attention_only else unit,
                         retention_interval=0 if attention_only else interval)
+
+
+def parse_retention_interval(text: str) -> int | None:
+    """``--prefix-cache-retention-interval``: an integer >= 0, or ``dense`` (vLLM's ``None``)."""
+    if text == "dense":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError("--prefix-cache-retention-interval must be an integer >= 0 or "
+                         f"'dense', got {text!r}")
+    return value
+
+
+def retention_label(interval: int | None) -> int | str:
+    """How reports name a retention interval: its tokens, or ``dense``."""
+    return "dense" if interval is None else interval
 
 
 def resolve_model_shape(value: str) -> ModelShape:

@@ -8,7 +8,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..compat import installed_vllm_version
-from .harness import MISS_REASONS, ReplayConfig, prefix_match_units, run_replay
+from .harness import (
+    MISS_REASONS,
+    ReplayConfig,
+    prefix_match_units,
+    retention_label,
+    run_replay,
+)
 from .metrics import GAP_CAUSES, PolicyMetrics, policy_metrics, request_differences
 from .policy import get_policy
 from .workloads import Trace
@@ -52,8 +58,8 @@ class Report:
             **({} if self.config.kv_offloading_size is None
                else {"kv_offloading_size_gib": self.config.kv_offloading_size}),
             **({} if self.config.retention_interval == 0 else {
-                "prefix_cache_retention_interval": self.config.retention_interval
-                if self.config.retention_interval is not None else "dense"}),
+                "prefix_cache_retention_interval": retention_label(
+                    self.config.retention_interval)}),
             "workload_params": self.trace.params,
             "policies": {name: m.to_json() for name, m in self.policies.items()},
             **({} if self.unit_sweep is None else {"prefix_match_unit_sweep": {
@@ -186,7 +192,7 @@ def _pct(x: float) -> str:
 def _retention_note(interval: int | None) -> str:
     if interval == 0:
         return ""
-    kept = "every block boundary" if interval is None else f"every {interval:,} tokens"
+    kept = "every chunk's end" if interval is None else f"every {interval:,} tokens"
     return f"; Mamba states retained at {kept} (prefix_cache_retention_interval)"
 
 
